@@ -1,0 +1,8 @@
+"""arsparse: fast autoregressive image generation by exploiting the sparsity of its attention."""
+from .bundles import load_model
+from .engine.generator import Generator
+from .layout import Layout
+from .loading import load_gpt, load_vq
+
+__all__ = ["Generator", "Layout", "load_gpt", "load_model", "load_vq"]
+__version__ = "0.1.0"

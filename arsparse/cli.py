@@ -1,0 +1,189 @@
+"""The one command line: ``arsparse generate | models | convert``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, got {text!r}") from None
+
+
+def _load_features(path: str) -> torch.Tensor:
+    """Caption features (B, 120, 2048) from .pt / .npy / .safetensors (first tensor)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"caption-feature file not found: {p}")
+    if p.suffix == ".npy":
+        import numpy as np
+
+        return torch.from_numpy(np.load(p))
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(p))
+        return next(iter(tensors.values()))
+    obj = torch.load(p, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict):
+        obj = next(iter(obj.values()))
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(f"{p} holds no tensor")
+    return obj
+
+
+def _build_model(args):
+    from .bundles import DEFAULT_MODEL, load_model
+    from .loading import load_gpt, load_vq
+
+    if args.gpt_ckpt:
+        if args.model:
+            raise ValueError("give either --model or --gpt-ckpt, not both")
+        if not args.vq_ckpt:
+            raise ValueError("--gpt-ckpt needs --vq-ckpt to turn tokens into images")
+        gpt = load_gpt(args.gpt_ckpt, preset=args.gpt_preset, image_tokens=args.image_tokens,
+                       model_type=args.model_type)
+        return gpt, load_vq(args.vq_ckpt, preset=args.vq_preset)
+    return load_model(args.model or DEFAULT_MODEL)
+
+
+def cmd_generate(args) -> int:
+    from .engine.generator import Generator
+    from .tokenizers import save_grid, to_pil
+
+    gpt, tok = _build_model(args)
+    cfg = gpt.config
+    gen = Generator(gpt, tok, device=args.device, dtype=args.dtype)
+    if cfg.model_type == "t2i":
+        if not args.caption_features:
+            raise ValueError("this is a text-conditional model: give --caption-features FILE (B, 120, 2048)")
+        conds = _load_features(args.caption_features)
+        n = args.num_images or conds.shape[0]
+        conds = conds[torch.arange(n) % conds.shape[0]]
+    else:
+        classes = args.classes or list(range(min(cfg.num_classes, 8)))
+        bad = [c for c in classes if not 0 <= c < cfg.num_classes]
+        if bad:
+            raise ValueError(f"classes {bad} are out of range: this model has classes 0..{cfg.num_classes - 1}")
+        n = args.num_images or len(classes)
+        conds = torch.tensor([classes[i % len(classes)] for i in range(n)])
+    if n < 1:
+        raise ValueError(f"--num-images must be >= 1, got {n}")
+
+    out = Path(args.out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    images, t0 = [], time.perf_counter()
+    from tqdm.auto import tqdm
+
+    bs = args.batch_size
+    for start in tqdm(range(0, n, bs), desc="batches", unit="batch", disable=args.quiet):
+        seeds = [args.seed + i for i in range(start, min(n, start + bs))]
+        tokens = gen.sample_tokens(conds[start : start + bs], cfg_scale=args.cfg_scale, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=seeds, cfg_interval=args.cfg_interval,
+                                   progress=not args.quiet)
+        images.append(gen.decode_images(tokens))
+    images = torch.cat(images)
+    elapsed = time.perf_counter() - t0
+    for i, img in enumerate(to_pil(images)):
+        label = f"class{int(conds[i])}" if cfg.model_type == "c2i" else f"caption{i % conds.shape[0]}"
+        img.save(out / "images" / f"{i:04d}_{label}.png")
+    save_grid(images, out / "grid.png", nrow=args.nrow)
+    info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3),
+                image_size=list(images.shape[-2:]), device=str(gen.device), dtype=str(gen.dtype))
+    (out / "generate.json").write_text(json.dumps(info, indent=2))
+    print(f"wrote {n} images to {out / 'images'} and {out / 'grid.png'} ({elapsed:.1f} s, {n / elapsed:.2f} images/s)")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .bundles import BUNDLES, DEFAULT_MODEL
+    from .models.config import GPT_PRESETS
+    from .models.vq import VQ_PRESETS
+
+    rows = [dict(name=b.name, default=b.name == DEFAULT_MODEL, installed=b.available, description=b.description,
+                 image_tokens=b.gpt.image_tokens, grid=[b.gpt.grid_h, b.gpt.grid_w], params=b.gpt.num_params())
+            for b in BUNDLES.values()]
+    if args.json:
+        print(json.dumps(dict(bundles=rows, gpt_presets=GPT_PRESETS, vq_presets=list(VQ_PRESETS)), indent=2))
+        return 0
+    print("Bundles (arsparse generate --model NAME):")
+    for r in rows:
+        mark = "*" if r["default"] else " "
+        print(f" {mark} {r['name']:<20} {r['params'] / 1e6:7.1f}M  {r['description']}")
+    print("\nGPT presets (for --gpt-ckpt with --gpt-preset):")
+    for name, p in GPT_PRESETS.items():
+        print(f"   {name:<10} layers={p['n_layer']:<3} heads={p['n_head']:<3} dim={p['dim']}")
+    print(f"\nVQ presets: {', '.join(VQ_PRESETS)}   (* = default)")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .checkpoint import convert
+
+    n = convert(args.src, args.dst, key=args.key)
+    print(f"wrote {n} tensors to {args.dst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="arsparse", description="Fast autoregressive image generation with sparse attention.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate images")
+    g.add_argument("--model", help="bundle name (see `arsparse models`); default: the shipped default")
+    g.add_argument("--gpt-ckpt", help="GPT checkpoint (.pt/.pth/.safetensors), instead of --model")
+    g.add_argument("--gpt-preset", help="GPT size for --gpt-ckpt (inferred from the weights when omitted)")
+    g.add_argument("--image-tokens", type=int, help="tokens per image for --gpt-ckpt (256, 576, ...)")
+    g.add_argument("--model-type", choices=["c2i", "t2i"], help="checked against --gpt-ckpt")
+    g.add_argument("--vq-ckpt", help="VQ tokenizer checkpoint for --gpt-ckpt")
+    g.add_argument("--vq-preset", default="VQ-16", choices=["VQ-16", "VQ-8"])
+    g.add_argument("--classes", type=_int_list, help="class labels, e.g. 1,2,3 (cycled to --num-images)")
+    g.add_argument("--caption-features", help="t2i: file of T5 features (B, 120, 2048): .pt, .npy or .safetensors")
+    g.add_argument("--num-images", type=int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--seed", type=int, default=0, help="image i uses seed+i")
+    g.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance (1 = off)")
+    g.add_argument("--cfg-interval", type=int, default=-1, help="guide only the first tokens (LlamaGen's; -1 = all)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
+    g.add_argument("--out", default="out", help="output folder: grid.png, images/, generate.json")
+    g.add_argument("--nrow", type=int, default=8, help="images per row of grid.png")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the model bundles and presets")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    c = sub.add_parser("convert", help="convert a checkpoint (.pt/.pth, any LlamaGen layout) to .safetensors")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--key", help="sub-dictionary to extract, e.g. ema")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "batch_size", 1) < 1:
+        print("arsparse: error: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input, bad checkpoint: a message, not a traceback
+        print(f"arsparse: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

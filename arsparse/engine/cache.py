@@ -1,0 +1,46 @@
+"""The dense static KV cache: the attention backend of the dense engine."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.config import GPTConfig
+
+
+class DenseKVCache:
+    """Static K/V buffers for every layer, written in place; dense attention over the filled prefix.
+
+    ``phase`` is ``"prefill"`` (the prompt, written at positions 0..T-1, causal attention among
+    them) or ``"decode"`` (one token at position ``pos``, a device scalar, so the step has static
+    shapes and can be captured in a CUDA graph).
+    """
+
+    def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, max_len: int | None = None):
+        self.max_len = max_len or cfg.seq_len
+        shape = (cfg.n_layer, rows, cfg.kv_heads, self.max_len, cfg.head_dim)  # (L, B, Hkv, S, D)
+        # Zeros, not empty: masked-out slots still meet V in the product, and 0 * NaN is NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self._slots = torch.arange(self.max_len, device=device)
+        self.gqa = cfg.kv_heads != cfg.n_head
+        self.phase = "prefill"
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.phase == "prefill":
+            T = k.shape[2]
+            self.k[layer, :, :, :T] = k
+            self.v[layer, :, :, :T] = v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        kc, vc = self.k[layer], self.v[layer]  # (B, Hkv, S, D)
+        kc.index_copy_(2, self.pos.view(1), k)
+        vc.index_copy_(2, self.pos.view(1), v)
+        mask = (self._slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
+        return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)

@@ -1,0 +1,270 @@
+"""The generation engine: static cache, guidance, sampling without host syncs, CUDA graphs."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models.gpt import GPT
+from .cache import DenseKVCache
+from .sampling import guide, row_key, sample
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def bucket(n: int) -> int:
+    """Batch bucket for graph capture: powers of two up to 256, then multiples of 64."""
+    if n <= 256:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 64) * 64
+
+
+def _per_row(name: str, value, n: int, kind=float) -> list:
+    vals = list(value) if isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, str) else [value] * n
+    if len(vals) != n:
+        raise ValueError(f"{name} has {len(vals)} values for {n} images")
+    try:
+        return [kind(v) for v in vals]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind.__name__} values, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What fixes the shape of the captured step: batch bucket, guidance on/off, static top-k bound, top-p on/off."""
+
+    batch: int
+    cfg: bool
+    kmax: int
+    top_p: bool
+
+
+class _Runner:
+    """Static buffers and the prefill/decode steps for one plan."""
+
+    def __init__(self, gpt: GPT, plan: _Plan, device: torch.device, use_graphs: bool):
+        cfg = gpt.config
+        self.gpt, self.plan, self.P, self.N = gpt, plan, cfg.cls_token_num, cfg.image_tokens
+        b = plan.batch
+        self.cache = DenseKVCache(cfg, 2 * b if plan.cfg else b, gpt.dtype, device)
+        z = dict(device=device)
+        self.cur = torch.zeros(b, dtype=torch.long, **z)  # last sampled token per image
+        self.out = torch.zeros(b, self.N, dtype=torch.long, **z)  # (B, N)
+        self.keys = torch.zeros(b, dtype=torch.long, **z)
+        self.temperature = torch.ones(b, **z)
+        self.top_k = torch.zeros(b, dtype=torch.long, **z)
+        self.top_p = torch.ones(b, **z)
+        self.cfg_scale = torch.ones(b, **z)
+        self.cfg_interval = torch.full((b,), -1, dtype=torch.long, **z)
+        self.graph = None
+        if use_graphs:
+            self._capture()
+
+    def _sample(self, logits: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        p = self.plan
+        if p.cfg:
+            # LlamaGen's cfg_interval: guidance for the first token and the next cfg_interval + 1.
+            active = (self.cfg_interval < 0) | (step <= self.cfg_interval + 1)
+            logits = guide(logits, self.cfg_scale, active)
+        return sample(logits, self.keys, step, self.temperature,
+                      self.top_k if p.kmax else None, self.top_p if p.top_p else None, p.kmax)
+
+    def prefill_logits(self, cond: torch.Tensor) -> torch.Tensor:
+        """Run the condition (guidance rows appended) through the model -> next-token logits (R, V)."""
+        gpt, cache = self.gpt, self.cache
+        if self.plan.cfg:
+            cond = torch.cat([cond, gpt.null_cond(cond)])
+        cache.phase = "prefill"
+        h = gpt.embed_cond(cond)  # (R, P, dim)
+        hidden = gpt.forward_hidden(h, torch.arange(self.P, device=h.device), cache)
+        cache.pos.fill_(self.P)
+        cache.phase = "decode"
+        return gpt.head(hidden[:, -1])
+
+    def step_logits(self) -> torch.Tensor:
+        """Feed ``cur`` at ``cache.pos`` and advance; -> next-token logits (R, V). All on the device."""
+        gpt, cache = self.gpt, self.cache
+        x = torch.cat([self.cur, self.cur]) if self.plan.cfg else self.cur
+        h = gpt.tok_embeddings(x[:, None])  # (R, 1, dim)
+        hidden = gpt.forward_hidden(h, cache.pos.view(1), cache)
+        cache.pos.add_(1)
+        return gpt.head(hidden[:, 0])
+
+    def _emit(self, logits: torch.Tensor, step: torch.Tensor) -> None:
+        tok = self._sample(logits, step)
+        self.cur.copy_(tok)
+        self.out.index_copy_(1, step.view(1), tok[:, None])
+
+    def decode_step(self) -> None:
+        step = self.cache.pos - (self.P - 1)  # index of the token being sampled
+        self._emit(self.step_logits(), step)
+
+    def _capture(self) -> None:
+        self.cache.phase = "decode"
+        self.cache.pos.fill_(self.P)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.decode_step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.decode_step()
+
+    def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
+        self._emit(self.prefill_logits(cond), torch.zeros((), dtype=torch.long, device=cond.device))
+        for _ in tqdm(range(self.N - 1), disable=not progress, desc="decode", unit="tok", leave=False):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.decode_step()
+        return self.out
+
+
+class Generator:
+    """Sample image tokens (and images) from a GPT.
+
+    Parameters
+    ----------
+    gpt : GPT
+        The model; moved to ``device`` and cast to ``dtype`` in place.
+    tokenizer : ImageTokenizer, optional
+        Needed by :meth:`generate` to turn tokens into pixels.
+    device : str or torch.device, optional
+        Defaults to CUDA when available, else CPU.
+    dtype : torch.dtype or {"bf16", "fp16", "fp32"}, optional
+        Defaults to bf16 on CUDA, fp32 on CPU.
+    cuda_graphs : bool, optional
+        Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
+    """
+
+    def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
+        self.gpt.rope = self.gpt.rope.float()  # the RoPE table stays fp32
+        self.tokenizer = tokenizer.to(self.device) if tokenizer is not None and hasattr(tokenizer, "to") else tokenizer
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+        self._runner: _Runner | None = None
+
+    @property
+    def config(self):
+        return self.gpt.config
+
+    def as_cond(self, cond) -> torch.Tensor:
+        """Class labels (ints) or caption features -> a checked tensor on the device."""
+        if self.config.model_type == "c2i":
+            cond = torch.as_tensor(cond if not isinstance(cond, int) else [cond], dtype=torch.long)
+        else:
+            cond = torch.as_tensor(cond, dtype=torch.float32)
+        self.gpt.check_cond(cond)
+        return cond.to(self.device)
+
+    def _runner_for(self, plan: _Plan) -> _Runner:
+        if self._runner is None or self._runner.plan != plan:
+            self._runner = None  # free the old cache before allocating the new one
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs)
+        return self._runner
+
+    @torch.no_grad()
+    def sample_tokens(self, cond, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                      cfg_interval=-1, progress: bool = False) -> torch.LongTensor:
+        """Sample (B, N) image tokens for B conditions.
+
+        Every sampling argument is a scalar or one value per image. ``seed`` is an int (image i of the
+        call uses key (seed, i)) or a list of ints (image i uses (seed[i], 0)), so an image depends on
+        its own seed only, never on the rest of the batch. ``top_k=1`` or ``temperature=0`` is greedy;
+        ``top_k=0`` and ``top_p=1`` turn those filters off; ``cfg_scale=1`` turns guidance off;
+        ``cfg_interval=-1`` guides every token (else, as LlamaGen, the first ``cfg_interval + 2``).
+        """
+        cond = self.as_cond(cond)
+        B = cond.shape[0]
+        if B == 0:
+            raise ValueError("no conditions given")
+        scale = _per_row("cfg_scale", cfg_scale, B)
+        temp = _per_row("temperature", temperature, B)
+        ks = _per_row("top_k", top_k, B, int)
+        ps = _per_row("top_p", top_p, B)
+        intervals = _per_row("cfg_interval", cfg_interval, B, int)
+        if any(t < 0 for t in temp):
+            raise ValueError(f"temperature must be >= 0, got {temp}")
+        if any(k < 0 for k in ks):
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {ks}")
+        if any(not 0.0 < p <= 1.0 for p in ps):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {ps}")
+        if any(i < -1 for i in intervals):
+            raise ValueError(f"cfg_interval must be >= -1 (-1 = always), got {intervals}")
+        if isinstance(seed, Sequence):
+            keys = [row_key(s, 0) for s in _per_row("seed", seed, B, int)]
+        else:
+            keys = [row_key(int(seed), i) for i in range(B)]
+
+        use_cfg = any(s != 1.0 for s in scale)
+        kmax = min(max(ks), self.config.vocab_size)
+        b = bucket(B) if self.cuda_graphs else B
+        run = self._runner_for(_Plan(b, use_cfg, kmax, any(p < 1.0 for p in ps)))
+
+        pad = b - B
+        def fill(buf, vals, dtype):
+            t = torch.tensor(vals + vals[-1:] * pad, dtype=dtype)
+            buf.copy_(t)
+
+        fill(run.keys, keys, torch.long)
+        fill(run.temperature, temp, torch.float32)
+        fill(run.top_k, ks, torch.long)
+        fill(run.top_p, ps, torch.float32)
+        fill(run.cfg_scale, scale, torch.float32)
+        fill(run.cfg_interval, intervals, torch.long)
+        if pad:
+            cond = torch.cat([cond, cond[-1:].expand(pad, *cond.shape[1:])])
+        return run.run(cond, progress)[:B].clone()
+
+    @torch.no_grad()
+    def cached_logits(self, cond, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing through the decode path: logits (B, T, V) of the cache, step by step.
+
+        Equals ``gpt.logits(cond, tokens)`` up to float rounding; no guidance, no sampling.
+        """
+        cond = torch.as_tensor(cond).to(self.device)
+        self.gpt.check_cond(cond, allow_null=True)
+        tokens = tokens.to(self.device)
+        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, use_graphs=False)
+        out = [run.prefill_logits(cond)]
+        for t in range(1, tokens.shape[1]):
+            run.cur.copy_(tokens[:, t - 1])
+            out.append(run.step_logits())
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def decode_images(self, tokens: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+        """(B, N) tokens -> (B, 3, H, W) images in [-1, 1] through the tokenizer, ``chunk`` at a time."""
+        if self.tokenizer is None:
+            raise ValueError("this Generator has no tokenizer: pass tokenizer=... to turn tokens into images")
+        grid = (self.config.grid_h, self.config.grid_w)
+        parts = [self.tokenizer.decode(tokens[i : i + chunk].to(self.device), grid=grid).float().cpu()
+                 for i in range(0, tokens.shape[0], chunk)]
+        return torch.cat(parts)
+
+    def generate(self, cond, progress: bool = False, **sampling) -> list:
+        """Like :meth:`sample_tokens`, then decoded to a list of PIL images."""
+        from ..tokenizers import to_pil
+
+        return to_pil(self.decode_images(self.sample_tokens(cond, progress=progress, **sampling)))

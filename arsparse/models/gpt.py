@@ -1,0 +1,204 @@
+"""The LlamaGen GPT, state-dict compatible with the public checkpoints.
+
+Submodule names follow LlamaGen (``tok_embeddings``, ``cls_embedding``, ``layers.N.attention.wqkv``,
+``feed_forward.w1/w2/w3``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so that its
+checkpoints load unchanged. Attention goes through an optional *attention backend* (the KV cache
+of the engine, or a policy) so that one model definition serves training, teacher forcing,
+dense decoding and sparse decoding.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..layout import Layout
+from .config import GPTConfig
+from .rope import apply_rope, rope_table
+
+
+class AttentionBackend(Protocol):
+    """What the model calls for attention when it is not plain causal self-attention."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, D), k/v (B, Hkv, T, D) of the new positions -> output (B, H, T, D)."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class LabelEmbedder(nn.Module):
+    """Class label -> one condition token; row ``num_classes`` is the null class used by guidance."""
+
+    def __init__(self, num_classes: int, dim: int, with_null: bool):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + int(with_null), dim)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:  # (B,) -> (B, 1, dim)
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class CaptionMLP(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, dim, bias=False)
+        self.fc2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    """Precomputed T5 features (B, 120, 2048) -> condition tokens; a learned unconditional caption."""
+
+    def __init__(self, caption_dim: int, dim: int, token_num: int):
+        super().__init__()
+        self.cap_proj = CaptionMLP(caption_dim, dim)
+        # A buffer in LlamaGen (so it is in the state dict but not trained as a parameter there).
+        self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim**0.5)
+
+    def forward(self, caption: torch.Tensor) -> torch.Tensor:  # (B, P, C) -> (B, P, dim)
+        return self.cap_proj(caption)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x, rope, layer: int, backend: AttentionBackend | None):
+        B, T, _ = x.shape
+        kv = self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
+        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if backend is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        else:
+            out = backend.attend(layer, q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, rope, layer, backend):
+        h = x + self.attention(self.attention_norm(x), rope, layer, backend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class GPT(nn.Module):
+    """LlamaGen's GPT (c2i or t2i) with a pluggable attention backend."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        if cfg.model_type == "c2i":
+            self.cls_embedding = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.has_null_class)
+        else:
+            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.cls_token_num)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        table = rope_table(cfg.grid_h, cfg.grid_w, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        self.register_buffer("rope", table, persistent=False)  # (P + N, D/2, 2), fp32
+        self.layout = Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
+
+    # ---- conditions ----------------------------------------------------------
+    def check_cond(self, cond: torch.Tensor, allow_null: bool = False) -> None:
+        """Raise a clear ValueError for a condition the model cannot take.
+
+        ``allow_null`` admits the null class (label ``num_classes``), the unconditional input.
+        """
+        cfg = self.config
+        if cfg.model_type == "c2i":
+            if cond.dtype not in (torch.int32, torch.int64) or cond.dim() != 1:
+                raise ValueError(f"c2i condition must be a 1-D integer tensor of class labels, got {cond.dtype} {tuple(cond.shape)}")
+            top = cfg.num_classes - 1 + int(allow_null and cfg.has_null_class)
+            if cond.numel() and (int(cond.min()) < 0 or int(cond.max()) > top):
+                raise ValueError(f"class labels must be in [0, {top}], got {cond.tolist()}")
+        else:
+            want = (cfg.cls_token_num, cfg.caption_dim)
+            if cond.dim() != 3 or tuple(cond.shape[1:]) != want or not cond.is_floating_point():
+                raise ValueError(f"t2i condition must be float caption features (B, {want[0]}, {want[1]}), got {cond.dtype} {tuple(cond.shape)}")
+
+    def null_cond(self, cond: torch.Tensor) -> torch.Tensor:
+        """The unconditional counterpart of ``cond`` used by classifier-free guidance."""
+        if self.config.model_type == "c2i":
+            if not self.config.has_null_class:
+                raise ValueError("this model has no null class (class_dropout_prob=0): guidance is unavailable")
+            return torch.full_like(cond, self.config.num_classes)
+        return self.cls_embedding.uncond_embedding.to(cond.dtype).expand_as(cond)
+
+    def embed_cond(self, cond: torch.Tensor) -> torch.Tensor:
+        """cond -> (B, P, dim) condition tokens (labels may include the null class)."""
+        emb = self.cls_embedding(cond.to(self.dtype) if cond.is_floating_point() else cond)
+        return emb[:, : self.config.cls_token_num]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    # ---- forward -------------------------------------------------------------
+    def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
+        """h (B, T, dim) at sequence ``positions`` (T,) -> normalised hidden states (B, T, dim)."""
+        rope = self.rope.index_select(0, positions)  # (T, D/2, 2)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, i, backend)
+        return self.norm(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(h).float()
+
+    def logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B, T, vocab): position i predicts image token i from cond and tokens < i."""
+        cfg = self.config
+        self.check_cond(cond, allow_null=True)
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens must be a (B, T) integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        if B != cond.shape[0]:
+            raise ValueError(f"{cond.shape[0]} conditions for {B} token rows")
+        if not 1 <= T <= cfg.image_tokens:
+            raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns, got {T}")
+        h = torch.cat([self.embed_cond(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # (B, P+T-1, dim)
+        positions = torch.arange(h.shape[1], device=h.device)
+        h = self.forward_hidden(h, positions)
+        return self.head(h[:, cfg.cls_token_num - 1 :])
+
+    def loss(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats) of teacher forcing: the training objective."""
+        logits = self.logits(cond, tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))

@@ -1,0 +1,237 @@
+"""Image tokenizers: images in ``[-1, 1]`` <-> integer token grids.
+
+:class:`ImageTokenizer` is the interface the generation engine relies on;
+:class:`VQTokenizer` implements it with a LlamaGen :class:`~arsparse.models.vq.VQModel`.
+Tokens are laid out in raster order, ``N = h * w`` per image, and each token
+covers a ``downsample x downsample`` pixel patch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .models.vq import VQConfig, VQModel, check_grid, vq_config
+
+__all__ = ["ImageTokenizer", "VQTokenizer", "to_pil", "save_grid"]
+
+
+class ImageTokenizer(ABC):
+    """Abstract image tokenizer.
+
+    Attributes
+    ----------
+    vocab_size : int
+        Number of distinct token ids; valid ids are ``[0, vocab_size)``.
+    downsample : int
+        Pixels per token along each side.
+    channels : int
+        Image channels expected by :meth:`encode`.
+    """
+
+    vocab_size: int
+    downsample: int
+    channels: int
+
+    @abstractmethod
+    def _encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Implementation of :meth:`encode` on validated input."""
+
+    @abstractmethod
+    def _decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Implementation of :meth:`decode` on validated input."""
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Tokenise images.
+
+        Parameters
+        ----------
+        images : torch.Tensor
+            ``(B, C, H, W)`` floats in ``[-1, 1]``, with ``C == channels`` and
+            ``H``, ``W`` multiples of ``downsample``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, N)`` int64 token ids with ``N = (H // downsample) * (W // downsample)``.
+        """
+        self.grid_size(self._check_images(images).shape[-2:])
+        with torch.inference_mode():
+            return self._encode(images).long()
+
+    def decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Turn token ids back into images.
+
+        Parameters
+        ----------
+        tokens : torch.Tensor
+            ``(B, N)`` integer ids in ``[0, vocab_size)``.
+        grid : tuple of int
+            ``(h, w)`` with ``h * w == N``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, 3, h * downsample, w * downsample)`` floats clamped to ``[-1, 1]``.
+        """
+        grid = self._check_tokens(tokens, grid)
+        with torch.inference_mode():
+            return self._decode(tokens.long(), grid).clamp(-1.0, 1.0)
+
+    def image_size(self, grid: tuple[int, int]) -> tuple[int, int]:
+        """Pixel size ``(H, W)`` of a decoded ``(h, w)`` token grid."""
+        h, w = check_grid(grid)
+        return h * self.downsample, w * self.downsample
+
+    def grid_size(self, image_size: tuple[int, int]) -> tuple[int, int]:
+        """Token grid ``(h, w)`` of an ``(H, W)`` image; both must divide by ``downsample``."""
+        big_h, big_w = check_grid(tuple(int(v) for v in image_size))
+        f = self.downsample
+        if big_h % f or big_w % f:
+            raise ValueError(f"image size {big_h}x{big_w} must be a multiple of the tokenizer's "
+                             f"downsample factor {f} in both dimensions")
+        return big_h // f, big_w // f
+
+    def _check_images(self, images: Any) -> torch.Tensor:
+        if not isinstance(images, torch.Tensor) or images.dim() != 4:
+            got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+            raise ValueError(f"images must be a (B, C, H, W) tensor, got {got}")
+        if images.shape[1] != self.channels:
+            raise ValueError(f"images must have {self.channels} channels, got shape {tuple(images.shape)}")
+        if not images.is_floating_point():
+            raise ValueError(f"images must be floats in [-1, 1], got dtype {images.dtype}")
+        return images
+
+    def _check_tokens(self, tokens: Any, grid: Any) -> tuple[int, int]:
+        h, w = check_grid(grid)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a (B, N) tensor, got {got}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
+        if tokens.shape[1] != h * w:
+            raise ValueError(f"grid {h}x{w} = {h * w} tokens does not match tokens with N={tokens.shape[1]}")
+        if tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range [{lo}, {hi}]")
+        return h, w
+
+
+class VQTokenizer(ImageTokenizer):
+    """Tokenizer backed by a LlamaGen-layout :class:`VQModel`.
+
+    Parameters
+    ----------
+    model : VQModel
+        The VQ autoencoder; it is put in eval mode.
+    """
+
+    def __init__(self, model: VQModel):
+        if not isinstance(model, VQModel):
+            raise ValueError(f"VQTokenizer needs a VQModel, got {type(model).__name__}")
+        self.model = model.eval()
+        self.vocab_size = model.config.codebook_size
+        self.downsample = model.config.downsample
+        self.channels = model.config.in_channels
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, preset: str | VQConfig = "VQ-16", *,
+                        key: str | None = None, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "VQTokenizer":
+        """Build a VQ model from a preset name or config and load LlamaGen weights.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            ``.safetensors`` or ``.pt``/``.pth`` checkpoint (see
+            :func:`arsparse.checkpoint.read_state_dict`).
+        preset : str or VQConfig
+            ``"VQ-16"``, ``"VQ-8"`` or an explicit config.
+        key : str, optional
+            Sub-dictionary to load (e.g. ``"ema"``).
+        device, dtype
+            Where and in which precision to place the model.
+        """
+        from .checkpoint import load_into, read_state_dict
+
+        config = preset if isinstance(preset, VQConfig) else vq_config(preset)
+        model = VQModel(config)
+        load_into(model, read_state_dict(path, key=key), what="VQ")
+        return cls(model.to(device=device, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.quant_conv.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.quant_conv.weight.dtype
+
+    def _encode(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_indices(images.to(self.device, self.dtype))
+
+    def _decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        return self.model.decode_indices(tokens.to(self.device), grid)
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """Convert ``(B, C, H, W)`` images in ``[-1, 1]`` (C = 1 or 3) to PIL images.
+
+    Values outside ``[-1, 1]`` are clamped; ``-1`` maps to 0 and ``1`` to 255.
+    """
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3):
+        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a (B, 3, H, W) or (B, 1, H, W) tensor, got {got}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be floats in [-1, 1], got dtype {images.dtype}")
+    pixels = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    arr = pixels.permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
+    if arr.shape[-1] == 1:
+        return [Image.fromarray(a[..., 0]) for a in arr]  # mode "L"
+    return [Image.fromarray(a) for a in arr]  # mode "RGB"
+
+
+def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padding: int = 2) -> Image.Image:
+    """Tile images into one picture and save it.
+
+    Parameters
+    ----------
+    images : torch.Tensor
+        ``(B, C, H, W)`` in ``[-1, 1]``.
+    path : str or os.PathLike
+        Output file; the format follows the extension (``.png``, ``.jpg`` ...).
+    nrow : int
+        Images per row.
+    padding : int
+        Black pixels between and around tiles.
+
+    Returns
+    -------
+    PIL.Image.Image
+        The grid that was written.
+    """
+    if isinstance(nrow, bool) or not isinstance(nrow, int) or nrow <= 0:
+        raise ValueError(f"nrow must be a positive int, got {nrow!r}")
+    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+        raise ValueError(f"padding must be a non-negative int, got {padding!r}")
+    tiles = to_pil(images)
+    if not tiles:
+        raise ValueError("save_grid needs at least one image, got an empty batch")
+    w, h = tiles[0].size
+    cols = min(nrow, len(tiles))
+    rows = math.ceil(len(tiles) / cols)
+    canvas = Image.new(tiles[0].mode, (cols * (w + padding) + padding, rows * (h + padding) + padding))
+    for i, tile in enumerate(tiles):
+        r, c = divmod(i, cols)
+        canvas.paste(tile, (padding + c * (w + padding), padding + r * (h + padding)))
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    canvas.save(path)
+    return canvas
