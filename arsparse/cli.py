@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--key", help="sub-dictionary to extract, e.g. ema")
     c.set_defaults(func=cmd_convert)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

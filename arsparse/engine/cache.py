@@ -6,16 +6,35 @@ import torch.nn.functional as F
 
 from ..models.config import GPTConfig
 
+KERNELS = ("torch", "triton")
+
+
+def default_kernel(device: torch.device) -> str:
+    """Triton on CUDA when it is installed, else the PyTorch path."""
+    if torch.device(device).type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
 
 class DenseKVCache:
     """Static K/V buffers for every layer, written in place; dense attention over the filled prefix.
 
     ``phase`` is ``"prefill"`` (the prompt, written at positions 0..T-1, causal attention among
     them) or ``"decode"`` (one token at position ``pos``, a device scalar, so the step has static
-    shapes and can be captured in a CUDA graph).
+    shapes and can be captured in a CUDA graph). Decode attention runs through ``kernel``:
+    ``"torch"`` (SDPA over the whole buffer with a mask) or ``"triton"`` (split-KV, reads only
+    positions ``0..pos``).
     """
 
-    def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, max_len: int | None = None):
+    def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, max_len: int | None = None,
+                 kernel: str = "torch"):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+        self.kernel = kernel
         self.max_len = max_len or cfg.seq_len
         shape = (cfg.n_layer, rows, cfg.kv_heads, self.max_len, cfg.head_dim)  # (L, B, Hkv, S, D)
         # Zeros, not empty: masked-out slots still meet V in the product, and 0 * NaN is NaN.
@@ -42,5 +61,9 @@ class DenseKVCache:
         kc, vc = self.k[layer], self.v[layer]  # (B, Hkv, S, D)
         kc.index_copy_(2, self.pos.view(1), k)
         vc.index_copy_(2, self.pos.view(1), v)
+        if self.kernel == "triton":  # reads positions 0..pos only
+            from ..kernels.triton import decode_attention
+
+            return decode_attention(q[:, :, 0], kc, vc, self.pos).unsqueeze(2)
         mask = (self._slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)

@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.gpt import GPT
-from .cache import DenseKVCache
+from .cache import KERNELS, DenseKVCache, default_kernel
 from .sampling import guide, row_key, sample
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -55,11 +55,11 @@ class _Plan:
 class _Runner:
     """Static buffers and the prefill/decode steps for one plan."""
 
-    def __init__(self, gpt: GPT, plan: _Plan, device: torch.device, use_graphs: bool):
+    def __init__(self, gpt: GPT, plan: _Plan, device: torch.device, use_graphs: bool, kernel: str = "torch"):
         cfg = gpt.config
         self.gpt, self.plan, self.P, self.N = gpt, plan, cfg.cls_token_num, cfg.image_tokens
         b = plan.batch
-        self.cache = DenseKVCache(cfg, 2 * b if plan.cfg else b, gpt.dtype, device)
+        self.cache = DenseKVCache(cfg, 2 * b if plan.cfg else b, gpt.dtype, device, kernel=kernel)
         z = dict(device=device)
         self.cur = torch.zeros(b, dtype=torch.long, **z)  # last sampled token per image
         self.out = torch.zeros(b, self.N, dtype=torch.long, **z)  # (B, N)
@@ -150,9 +150,12 @@ class Generator:
         Defaults to bf16 on CUDA, fp32 on CPU.
     cuda_graphs : bool, optional
         Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
+    kernel : {"torch", "triton"}, optional
+        Decode attention implementation (default: Triton on CUDA when installed).
     """
 
-    def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None):
+    def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
+                 kernel: str | None = None):
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -161,6 +164,9 @@ class Generator:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
+        self.kernel = kernel or default_kernel(self.device)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
         self._runner: _Runner | None = None
 
     @property
@@ -181,7 +187,7 @@ class Generator:
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs)
+            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel)
         return self._runner
 
     @torch.no_grad()
@@ -194,6 +200,15 @@ class Generator:
         its own seed only, never on the rest of the batch. ``top_k=1`` or ``temperature=0`` is greedy;
         ``top_k=0`` and ``top_p=1`` turn those filters off; ``cfg_scale=1`` turns guidance off;
         ``cfg_interval=-1`` guides every token (else, as LlamaGen, the first ``cfg_interval + 2``).
+        """
+        run, cond, B = self.prepare(cond, cfg_scale, temperature, top_k, top_p, seed, cfg_interval)
+        return run.run(cond, progress)[:B].clone()
+
+    @torch.no_grad()
+    def prepare(self, cond, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, seed=0, cfg_interval=-1):
+        """Check the arguments, pick (or capture) the runner, fill its buffers.
+
+        Returns ``(runner, cond padded to the batch bucket, number of real images)``.
         """
         cond = self.as_cond(cond)
         B = cond.shape[0]
@@ -223,9 +238,9 @@ class Generator:
         run = self._runner_for(_Plan(b, use_cfg, kmax, any(p < 1.0 for p in ps)))
 
         pad = b - B
+
         def fill(buf, vals, dtype):
-            t = torch.tensor(vals + vals[-1:] * pad, dtype=dtype)
-            buf.copy_(t)
+            buf.copy_(torch.tensor(vals + vals[-1:] * pad, dtype=dtype))
 
         fill(run.keys, keys, torch.long)
         fill(run.temperature, temp, torch.float32)
@@ -235,7 +250,7 @@ class Generator:
         fill(run.cfg_interval, intervals, torch.long)
         if pad:
             cond = torch.cat([cond, cond[-1:].expand(pad, *cond.shape[1:])])
-        return run.run(cond, progress)[:B].clone()
+        return run, cond, B
 
     @torch.no_grad()
     def cached_logits(self, cond, tokens: torch.Tensor) -> torch.Tensor:
@@ -246,7 +261,7 @@ class Generator:
         cond = torch.as_tensor(cond).to(self.device)
         self.gpt.check_cond(cond, allow_null=True)
         tokens = tokens.to(self.device)
-        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, use_graphs=False)
+        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, False, self.kernel)
         out = [run.prefill_logits(cond)]
         for t in range(1, tokens.shape[1]):
             run.cur.copy_(tokens[:, t - 1])

@@ -1,0 +1,153 @@
+"""``arsparse bench``: decode speed on the GPU, against the bandwidth floor measured in the same run."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine.generator import Generator
+from .models.config import GPTConfig, gpt_config
+from .models.gpt import GPT
+
+
+@dataclass
+class BenchRow:
+    kernel: str
+    batch: int
+    rows: int  # sequences in the cache (2x batch with guidance)
+    ms_per_step: float
+    prefill_ms: float
+    images_per_s: float
+    tokens_per_s: float
+    peak_mem_gb: float
+    kv_bytes_per_image: int
+    kv_read_bytes_per_step: float
+    weight_bytes: int
+    floor_ms_per_step: float
+    ratio_to_floor: float
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of reps)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    times.sort()
+    return 2 * nbytes / times[len(times) // 2]
+
+
+def step_weight_bytes(cfg: GPTConfig, dtype_bytes: int) -> int:
+    """Weights one decode step reads: every layer, the final norm and the output head."""
+    kv = cfg.kv_heads * cfg.head_dim
+    per_layer = cfg.dim * (cfg.dim + 2 * kv) + cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+    return (cfg.n_layer * per_layer + cfg.dim + cfg.vocab_size * cfg.dim) * dtype_bytes
+
+
+def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
+    with torch.device(device):
+        gpt = GPT(cfg)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+    return gpt.to(dtype)
+
+
+def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: list[str], cfg_scale: float = 4.0,
+                dtype=torch.bfloat16, device="cuda", seed: int = 0) -> dict:
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device")
+    cfg = gpt_config(preset, image_tokens=image_tokens)
+    gpt = _random_gpt(cfg, device, dtype)
+    bw = copy_bandwidth(device)
+    eb = torch.finfo(dtype).bits // 8
+    wbytes = step_weight_bytes(cfg, eb)
+    P, N = cfg.cls_token_num, cfg.image_tokens
+    rows_out = []
+    for kernel in kernels:
+        gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel)
+        for B in tqdm(batches, desc=f"bench {kernel}", unit="batch"):
+            cond = torch.arange(B) % cfg.num_classes
+            gen._runner = None
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates and captures
+            run.run(c, progress=False)  # warm-up pass
+            torch.cuda.synchronize()
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            with torch.no_grad():
+                e[0].record()
+                run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+                e[1].record()
+                for _ in range(N - 1):
+                    run.graph.replay() if run.graph is not None else run.decode_step()
+                e[2].record()
+            torch.cuda.synchronize()
+            prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
+            total_s = (prefill_ms + decode_ms) / 1e3
+            R = run.cache.rows
+            kv_read = R * (P + N / 2) * cfg.kv_bytes_per_token(eb)  # mean over decode steps of positions 0..pos
+            floor_ms = (wbytes + kv_read) / bw * 1e3
+            ms_step = decode_ms / (N - 1)
+            rows_out.append(BenchRow(
+                kernel=kernel, batch=B, rows=R, ms_per_step=ms_step, prefill_ms=prefill_ms,
+                images_per_s=B / total_s, tokens_per_s=B * N / total_s,
+                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
+                kv_bytes_per_image=(R // B) * (P + N - 1) * cfg.kv_bytes_per_token(eb),
+                kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
+                ratio_to_floor=ms_step / floor_ms))
+        gen._runner = None
+    return dict(
+        gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+        host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
+        copy_bandwidth_gb_s=bw / 1e9, rows=[asdict(r) for r in rows_out])
+
+
+def markdown_table(result: dict) -> str:
+    head = ("| kernel | batch | ms/step | floor ms/step | x floor | prefill ms | images/s | tokens/s | peak GB "
+            "| KV MB/image |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in result["rows"]:
+        lines.append(f"| {r['kernel']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
+                     f"{r['ratio_to_floor']:.2f} | {r['prefill_ms']:.1f} | {r['images_per_s']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['peak_mem_gb']:.1f} | {r['kv_bytes_per_image'] / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def cmd_bench(args) -> int:
+    batches = [int(b) for b in args.batch.split(",")]
+    result = bench_dense(args.preset, args.image_tokens, batches, args.kernels.split(","),
+                         cfg_scale=1.0 if args.no_cfg else args.cfg_scale)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
+          f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s")
+    print(markdown_table(result))
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="time decoding on the GPU against the bandwidth floor")
+    b.add_argument("--preset", default="GPT-XL")
+    b.add_argument("--image-tokens", type=int, default=576)
+    b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes")
+    b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
+    b.add_argument("--cfg-scale", type=float, default=4.0)
+    b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
+    b.add_argument("--out", help="write the JSON here")
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,1 @@
+"""Attention kernels: a PyTorch reference (the oracle and CPU path) and Triton kernels for CUDA."""

@@ -1,0 +1,4 @@
+"""Triton kernels (CUDA, or the CPU through ``TRITON_INTERPRET=1``)."""
+from .decode import decode_attention
+
+__all__ = ["decode_attention"]

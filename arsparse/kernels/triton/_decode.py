@@ -1,0 +1,77 @@
+"""Triton bodies of split-KV decode attention (launch logic lives in ``decode.py``)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_split_kernel(
+    Q, K, V, POS, O_PART, M_PART, L_PART,
+    sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, sm_b, sm_h,
+    scale, chunk, D,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (row, kv head, split): the G query heads of the group over cache[start, min(start+chunk, pos+1))."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    sp = tl.program_id(2)
+    length = tl.load(POS) + 1
+    start = sp * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    heads = hk * G + offs_g
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
+    q = q * scale
+
+    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        nmask = n < end
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # (BN, BD)
+        v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+
+    o_ptr = O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :]
+    tl.store(o_ptr, acc, mask=gmask[:, None] & dmask[None, :])
+    tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
+    tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
+
+
+@triton.jit
+def combine_kernel(
+    O_PART, M_PART, L_PART, OUT,
+    so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+    splits, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the splits of one (row, head) by their log-sum-exp weights."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < splits
+    m = tl.load(M_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=float("-inf"))
+    l = tl.load(L_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)  # empty splits (m = -inf) weigh nothing
+    acc = tl.load(O_PART + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
+                  mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * sout_b + h * sout_h + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)

@@ -1,0 +1,37 @@
+"""GPU checks (run on the lent GPU; skipped on CPU-only machines such as CI)."""
+import pytest
+import torch
+
+from arsparse.engine.generator import Generator
+from conftest import random_cond, random_gpt
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("model_type", ["c2i", "t2i"])
+def test_cuda_graph_generation_equals_eager(model_type):
+    model = random_gpt(model_type, seed=4, image_tokens=64)
+    cond = random_cond(model, 3)
+    eager = Generator(model, device="cuda", dtype="bf16", cuda_graphs=False).sample_tokens(cond, seed=7, top_k=20)
+    graph = Generator(model, device="cuda", dtype="bf16", cuda_graphs=True).sample_tokens(cond, seed=7, top_k=20)
+    assert torch.equal(eager, graph)
+
+
+def test_padding_to_a_bucket_does_not_change_images():
+    model = random_gpt("c2i", seed=5, image_tokens=64)
+    gen = Generator(model, device="cuda", dtype="fp32")
+    three = gen.sample_tokens([1, 2, 3], seed=[10, 11, 12])  # bucket 4: one padded row
+    one = gen.sample_tokens([2], seed=[11])
+    assert torch.equal(three[1], one[0])
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])
+def test_triton_decode_matches_full_forward_on_gpu(dtype, tol):
+    model = random_gpt("c2i", seed=6, image_tokens=256, n_kv_head=2)
+    cond = random_cond(model, 4)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 256))
+    gen = Generator(model, device="cuda", dtype=dtype, kernel="triton")
+    got = gen.cached_logits(cond, tokens)
+    with torch.no_grad():
+        want = gen.gpt.logits(cond.cuda(), tokens.cuda()).float()
+    assert (got - want).norm() / want.norm() < tol
