@@ -30,6 +30,7 @@ class BenchRow:
     weight_bytes: int
     floor_ms_per_step: float
     ratio_to_floor: float
+    setup_s: float  # allocation, compilation and graph capture for this batch
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -67,7 +68,7 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: list[str], cfg_scale: float = 4.0,
-                dtype=torch.bfloat16, device="cuda", seed: int = 0) -> dict:
+                dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool = True) -> dict:
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device")
@@ -79,13 +80,15 @@ def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: lis
     P, N = cfg.cls_token_num, cfg.image_tokens
     rows_out = []
     for kernel in kernels:
-        gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel)
+        gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile)
         for B in tqdm(batches, desc=f"bench {kernel}", unit="batch"):
             cond = torch.arange(B) % cfg.num_classes
             gen._runner = None
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-            run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates and captures
+            t0 = time.perf_counter()
+            run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, compiles, captures
+            setup_s = time.perf_counter() - t0
             run.run(c, progress=False)  # warm-up pass
             torch.cuda.synchronize()
             e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -109,11 +112,12 @@ def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: lis
                 peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
                 kv_bytes_per_image=(R // B) * (P + N - 1) * cfg.kv_bytes_per_token(eb),
                 kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
-                ratio_to_floor=ms_step / floor_ms))
+                ratio_to_floor=ms_step / floor_ms, setup_s=setup_s))
+            del run, c
         gen._runner = None
     return dict(
         gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-        host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
+        host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale, compile=compile,
         copy_bandwidth_gb_s=bw / 1e9, rows=[asdict(r) for r in rows_out])
 
 
@@ -131,7 +135,7 @@ def markdown_table(result: dict) -> str:
 def cmd_bench(args) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     result = bench_dense(args.preset, args.image_tokens, batches, args.kernels.split(","),
-                         cfg_scale=1.0 if args.no_cfg else args.cfg_scale)
+                         cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=not args.no_compile)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -149,5 +153,6 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
     b.add_argument("--cfg-scale", type=float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
+    b.add_argument("--no-compile", action="store_true", help="capture the eager step (no torch.compile)")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

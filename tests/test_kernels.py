@@ -59,6 +59,6 @@ def test_engine_with_triton_kernel_matches_torch_path():
     model = random_gpt("c2i", seed=9, n_kv_head=2)
     cond = random_cond(model, 2)
     tokens = torch.randint(0, model.config.vocab_size, (2, model.config.image_tokens))
-    ref = Generator(model, device=DEVICE, kernel="torch").cached_logits(cond, tokens)
-    got = Generator(model, device=DEVICE, kernel="triton").cached_logits(cond, tokens)
+    ref = Generator(model, device=DEVICE, dtype="fp32", kernel="torch").cached_logits(cond, tokens)
+    got = Generator(model, device=DEVICE, dtype="fp32", kernel="triton").cached_logits(cond, tokens)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

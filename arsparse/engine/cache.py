@@ -44,6 +44,11 @@ class DenseKVCache:
         self._slots = torch.arange(self.max_len, device=device)
         self.gqa = cfg.kv_heads != cfg.n_head
         self.phase = "prefill"
+        self.splits = None
+        if kernel == "triton":
+            from ..kernels.triton.decode import choose_splits
+
+            self.splits = choose_splits(rows, cfg.kv_heads, self.max_len, torch.device(device))
 
     @property
     def rows(self) -> int:
@@ -64,6 +69,6 @@ class DenseKVCache:
         if self.kernel == "triton":  # reads positions 0..pos only
             from ..kernels.triton import decode_attention
 
-            return decode_attention(q[:, :, 0], kc, vc, self.pos).unsqueeze(2)
+            return decode_attention(q[:, :, 0], kc, vc, self.pos, num_splits=self.splits).unsqueeze(2)
         mask = (self._slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)

@@ -28,25 +28,48 @@ def decode_split_kernel(
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
     q = q * scale
 
-    m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n
-        nmask = n < end
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # (BN, BD)
-        v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
+    if BLOCK_G == 1:
+        # MHA: one query vector; 2-D tiles keep the reductions cheap.
+        q1 = tl.sum(q, axis=0)  # (BD,)
+        m1 = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
+        l1 = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
+        acc1 = tl.zeros((BLOCK_D,), tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            nmask = n < end
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), float("-inf"))  # (BN,)
+            m_new = tl.maximum(m1, tl.max(s1, axis=0))
+            alpha = tl.exp(m1 - m_new)
+            p1 = tl.exp(s1 - m_new)
+            l1 = l1 * alpha + tl.sum(p1, axis=0)
+            acc1 = acc1 * alpha + tl.sum(p1[:, None] * v, axis=0)
+            m1 = m_new
+        m = tl.zeros((BLOCK_G,), tl.float32) + m1
+        l = tl.zeros((BLOCK_G,), tl.float32) + l1
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32) + acc1[None, :]
+    else:
+        m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            nmask = n < end
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
 
     o_ptr = O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :]
     tl.store(o_ptr, acc, mask=gmask[:, None] & dmask[None, :])

@@ -9,7 +9,7 @@ from ._decode import combine_kernel, decode_split_kernel
 BLOCK_N = 64
 
 
-def _num_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Enough (row, head, split) programs to fill the GPU about four times over, at least a block each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     want = max(1, -(-4 * sms // (rows * kv_heads)))
@@ -41,7 +41,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != q.device:
         raise ValueError("pos must be a one-element integer tensor on q's device")
     G = H // Hkv
-    splits = num_splits or _num_splits(B, Hkv, S, q.device)
+    splits = num_splits or choose_splits(B, Hkv, S, q.device)
     chunk = -(-S // splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     splits = -(-S // chunk)
