@@ -1,11 +1,12 @@
 """Named model bundles (a GPT plus its tokenizer) that ``arsparse.load_model(name)`` knows.
 
-Shipped bundles read weights from ``arsparse/weights``; ``random-*`` bundles are LlamaGen
-architectures with seeded random weights, for speed work and for trying the tool before any
-training (their images are noise).
+Shipped bundles read weights from ``arsparse/weights`` (each with a model card beside it);
+``random-*`` bundles are LlamaGen architectures with seeded random weights, for speed work on
+real model sizes (their images are noise).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,27 +15,43 @@ import torch
 from .models.config import GPTConfig, gpt_config
 from .models.gpt import GPT
 from .models.vq import VQConfig, VQModel, vq_config
-from .tokenizers import VQTokenizer
+from .tokenizers import ImageTokenizer, VQTokenizer, make_tokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 
 @dataclass(frozen=True)
 class Bundle:
+    """A named (GPT, tokenizer) pair.
+
+    Shipped bundles read ``gpt_file`` from :data:`WEIGHTS_DIR`; its safetensors header holds the
+    GPT config and the tokenizer description. Random bundles carry their configs and a seed.
+    ``cfg_scale`` is the guidance this model is best sampled with.
+    """
+
     name: str
     description: str
-    gpt: GPTConfig
-    vq: VQConfig
-    gpt_file: str | None = None  # under WEIGHTS_DIR; None: random weights
-    vq_file: str | None = None
+    gpt: GPTConfig | None = None
+    vq: VQConfig | None = None
+    gpt_file: str | None = None
     seed: int = 0
+    cfg_scale: float = 4.0
 
     @property
     def available(self) -> bool:
-        return all((WEIGHTS_DIR / f).is_file() for f in (self.gpt_file, self.vq_file) if f)
+        return self.gpt_file is None or (WEIGHTS_DIR / self.gpt_file).is_file()
+
+    def gpt_config(self) -> GPTConfig:
+        if self.gpt is not None:
+            return self.gpt
+        from .loading import GPT_META, read_metadata
+
+        return GPTConfig(**json.loads(read_metadata(WEIGHTS_DIR / self.gpt_file)[GPT_META]))
 
 
 BUNDLES: dict[str, Bundle] = {b.name: b for b in [
+    Bundle("fashion-c2i", "trained here: Fashion-MNIST, 10 classes, 28x28 one token per pixel (32 grey levels), "
+           "17.7M-parameter LlamaGen GPT", gpt_file="fashion-c2i.safetensors", cfg_scale=2.0),
     Bundle("random-small", "GPT-small (6 layers, dim 384) + VQ-16 (ch 32), random weights, 16x16 tokens, 256 px",
            gpt_config("GPT-small", image_tokens=256), vq_config("VQ-16", ch=32)),
     Bundle("random-gpt-b", "LlamaGen GPT-B + VQ-16, random weights, 16x16 tokens, 256 px",
@@ -43,21 +60,21 @@ BUNDLES: dict[str, Bundle] = {b.name: b for b in [
            gpt_config("GPT-XL", image_tokens=576), vq_config("VQ-16")),
 ]}
 
-DEFAULT_MODEL = "random-small"
+DEFAULT_MODEL = "fashion-c2i"
 
 
 def _random_init(module: torch.nn.Module, seed: int) -> None:
     """LlamaGen's initialisation (normal, std 0.02), reproducible from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
-def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[GPT, VQTokenizer]:
+def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[GPT, ImageTokenizer]:
     """Load a named bundle -> (gpt, tokenizer)."""
-    from .loading import load_gpt, load_vq
+    from .loading import TOKENIZER_META, load_gpt, read_metadata
 
     if name not in BUNDLES:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(BUNDLES)} (see `arsparse models`)")
@@ -65,15 +82,11 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype: torch.dtype = tor
     if not b.available:
         raise ValueError(f"model {name!r} is listed but its weights are not installed under {WEIGHTS_DIR}")
     if b.gpt_file:
-        gpt = load_gpt(WEIGHTS_DIR / b.gpt_file, device=device, dtype=dtype)
-    else:
-        gpt = GPT(b.gpt)
-        _random_init(gpt, b.seed)
-        gpt = gpt.to(device=device, dtype=dtype).eval()
-    if b.vq_file:
-        tok = load_vq(WEIGHTS_DIR / b.vq_file, device=device)
-    else:
-        vq = VQModel(b.vq)
-        _random_init(vq, b.seed + 1)
-        tok = VQTokenizer(vq.to(device).eval())
-    return gpt, tok
+        path = WEIGHTS_DIR / b.gpt_file
+        gpt = load_gpt(path, device=device, dtype=dtype)
+        return gpt, make_tokenizer(json.loads(read_metadata(path)[TOKENIZER_META])).to(device)
+    gpt = GPT(b.gpt)
+    _random_init(gpt, b.seed)
+    vq = VQModel(b.vq)
+    _random_init(vq, b.seed + 1)
+    return gpt.to(device=device, dtype=dtype).eval(), VQTokenizer(vq.to(device).eval())

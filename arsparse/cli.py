@@ -40,7 +40,8 @@ def _load_features(path: str) -> torch.Tensor:
 
 
 def _build_model(args):
-    from .bundles import DEFAULT_MODEL, load_model
+    """-> (gpt, tokenizer, recommended cfg scale)."""
+    from .bundles import BUNDLES, DEFAULT_MODEL, load_model
     from .loading import load_gpt, load_vq
 
     if args.gpt_ckpt:
@@ -50,15 +51,18 @@ def _build_model(args):
             raise ValueError("--gpt-ckpt needs --vq-ckpt to turn tokens into images")
         gpt = load_gpt(args.gpt_ckpt, preset=args.gpt_preset, image_tokens=args.image_tokens,
                        model_type=args.model_type)
-        return gpt, load_vq(args.vq_ckpt, preset=args.vq_preset)
-    return load_model(args.model or DEFAULT_MODEL)
+        return gpt, load_vq(args.vq_ckpt, preset=args.vq_preset), 4.0
+    name = args.model or DEFAULT_MODEL
+    gpt, tok = load_model(name)
+    return gpt, tok, BUNDLES[name].cfg_scale
 
 
 def cmd_generate(args) -> int:
     from .engine.generator import Generator
     from .tokenizers import save_grid, to_pil
 
-    gpt, tok = _build_model(args)
+    gpt, tok, cfg_scale = _build_model(args)
+    cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
     cfg = gpt.config
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype)
     if cfg.model_type == "t2i":
@@ -85,18 +89,22 @@ def cmd_generate(args) -> int:
     bs = args.batch_size
     for start in tqdm(range(0, n, bs), desc="batches", unit="batch", disable=args.quiet):
         seeds = [args.seed + i for i in range(start, min(n, start + bs))]
-        tokens = gen.sample_tokens(conds[start : start + bs], cfg_scale=args.cfg_scale, temperature=args.temperature,
+        tokens = gen.sample_tokens(conds[start : start + bs], cfg_scale=cfg_scale, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=seeds, cfg_interval=args.cfg_interval,
                                    progress=not args.quiet)
         images.append(gen.decode_images(tokens))
     images = torch.cat(images)
     elapsed = time.perf_counter() - t0
-    for i, img in enumerate(to_pil(images)):
+    for i, img in enumerate(to_pil(images)):  # at the model's own resolution
         label = f"class{int(conds[i])}" if cfg.model_type == "c2i" else f"caption{i % conds.shape[0]}"
         img.save(out / "images" / f"{i:04d}_{label}.png")
+    size = list(images.shape[-2:])
+    scale = max(1, -(-128 // images.shape[-1]))  # small images (28 px) are enlarged in the grid
+    if scale > 1:
+        images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
     save_grid(images, out / "grid.png", nrow=args.nrow)
     info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3),
-                image_size=list(images.shape[-2:]), device=str(gen.device), dtype=str(gen.dtype))
+                image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype))
     (out / "generate.json").write_text(json.dumps(info, indent=2))
     print(f"wrote {n} images to {out / 'images'} and {out / 'grid.png'} ({elapsed:.1f} s, {n / elapsed:.2f} images/s)")
     return 0
@@ -107,16 +115,20 @@ def cmd_models(args) -> int:
     from .models.config import GPT_PRESETS
     from .models.vq import VQ_PRESETS
 
-    rows = [dict(name=b.name, default=b.name == DEFAULT_MODEL, installed=b.available, description=b.description,
-                 image_tokens=b.gpt.image_tokens, grid=[b.gpt.grid_h, b.gpt.grid_w], params=b.gpt.num_params())
-            for b in BUNDLES.values()]
+    rows = []
+    for b in BUNDLES.values():
+        c = b.gpt_config() if b.available else None
+        rows.append(dict(name=b.name, default=b.name == DEFAULT_MODEL, installed=b.available, description=b.description,
+                         image_tokens=c and c.image_tokens, grid=c and [c.grid_h, c.grid_w],
+                         params=c and c.num_params(), cfg_scale=b.cfg_scale))
     if args.json:
         print(json.dumps(dict(bundles=rows, gpt_presets=GPT_PRESETS, vq_presets=list(VQ_PRESETS)), indent=2))
         return 0
     print("Bundles (arsparse generate --model NAME):")
     for r in rows:
         mark = "*" if r["default"] else " "
-        print(f" {mark} {r['name']:<20} {r['params'] / 1e6:7.1f}M  {r['description']}")
+        size = f"{r['params'] / 1e6:7.1f}M" if r["params"] else "missing "
+        print(f" {mark} {r['name']:<20} {size}  {r['description']}")
     print("\nGPT presets (for --gpt-ckpt with --gpt-preset):")
     for name, p in GPT_PRESETS.items():
         print(f"   {name:<10} layers={p['n_layer']:<3} heads={p['n_head']:<3} dim={p['dim']}")
@@ -149,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-images", type=int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--seed", type=int, default=0, help="image i uses seed+i")
-    g.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance (1 = off)")
+    g.add_argument("--cfg-scale", type=float, default=None,
+                   help="classifier-free guidance, 1 = off (default: the bundle's, 4.0 for checkpoints)")
     g.add_argument("--cfg-interval", type=int, default=-1, help="guide only the first tokens (LlamaGen's; -1 = all)")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")
@@ -172,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     from .bench import add_bench_parser
+    from .training.cli import add_train_parser
 
     add_bench_parser(sub)
+    add_train_parser(sub)
     return p
 
 

@@ -20,7 +20,7 @@ from .models.gpt import GPT
 from .models.vq import VQConfig, VQModel, vq_config
 from .tokenizers import VQTokenizer
 
-GPT_META, VQ_META = "arsparse.gpt", "arsparse.vq"
+GPT_META, VQ_META, TOKENIZER_META = "arsparse.gpt", "arsparse.vq", "arsparse.tokenizer"
 
 
 def read_metadata(path) -> dict[str, str]:

@@ -18,7 +18,7 @@ from PIL import Image
 
 from .models.vq import VQConfig, VQModel, check_grid, vq_config
 
-__all__ = ["ImageTokenizer", "VQTokenizer", "to_pil", "save_grid"]
+__all__ = ["ImageTokenizer", "VQTokenizer", "PaletteTokenizer", "make_tokenizer", "to_pil", "save_grid"]
 
 
 class ImageTokenizer(ABC):
@@ -87,6 +87,13 @@ class ImageTokenizer(ABC):
         """Pixel size ``(H, W)`` of a decoded ``(h, w)`` token grid."""
         h, w = check_grid(grid)
         return h * self.downsample, w * self.downsample
+
+    def to(self, device: str | torch.device) -> "ImageTokenizer":
+        """Move whatever weights the tokenizer has to ``device``; returns ``self``.
+
+        The default is for tokenizers without weights, which work on any device.
+        """
+        return self
 
     def grid_size(self, image_size: tuple[int, int]) -> tuple[int, int]:
         """Token grid ``(h, w)`` of an ``(H, W)`` image; both must divide by ``downsample``."""
@@ -165,6 +172,11 @@ class VQTokenizer(ImageTokenizer):
         load_into(model, read_state_dict(path, key=key), what="VQ")
         return cls(model.to(device=device, dtype=dtype))
 
+    def to(self, device: str | torch.device) -> "VQTokenizer":
+        """Move the VQ model to ``device`` (its dtype is kept); returns ``self``."""
+        self.model.to(device)
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.model.quant_conv.weight.device
@@ -178,6 +190,80 @@ class VQTokenizer(ImageTokenizer):
 
     def _decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         return self.model.decode_indices(tokens.to(self.device), grid)
+
+
+class PaletteTokenizer(ImageTokenizer):
+    """One token per pixel: the grey level, quantised to ``levels`` values.
+
+    A lossless (at 256 levels) or nearly lossless tokenizer for small grey images such as
+    Fashion-MNIST, with no weights: the GPT models pixels directly, as PixelCNN-style models do.
+
+    A pixel byte ``v`` in ``[0, 255]`` becomes ``round(v * (levels - 1) / 255)`` and token ``k``
+    decodes to the byte ``round(k * 255 / (levels - 1))``. At ``levels=256`` encode and decode
+    are exact inverses on 8-bit images.
+
+    Parameters
+    ----------
+    levels : int
+        Number of grey levels = ``vocab_size``, 2..256.
+
+    Notes
+    -----
+    :meth:`encode` takes ``(B, 1, H, W)`` grey or ``(B, 3, H, W)`` RGB images in ``[-1, 1]``
+    (RGB is turned grey by the mean of its channels). :meth:`decode` returns ``(B, 3, H, W)``
+    with the grey level copied to the three channels, as the rest of the pipeline expects RGB.
+    """
+
+    downsample = 1
+    channels = 1
+
+    def __init__(self, levels: int = 256):
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= 256:
+            raise ValueError(f"levels must be an int in [2, 256], got {levels!r}")
+        self.levels = levels
+        self.vocab_size = levels
+
+    def __repr__(self) -> str:
+        return f"PaletteTokenizer(levels={self.levels})"
+
+    def config(self) -> dict[str, Any]:
+        """A JSON-able description that :meth:`from_config` turns back into this tokenizer."""
+        return {"type": "palette", "levels": self.levels}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "PaletteTokenizer":
+        if not isinstance(config, dict) or config.get("type", "palette") != "palette":
+            raise ValueError(f"not a palette tokenizer config: {config!r}")
+        unknown = set(config) - {"type", "levels"}
+        if unknown:
+            raise ValueError(f"unknown palette tokenizer config keys {sorted(unknown)}")
+        return cls(levels=config.get("levels", 256))
+
+    def _check_images(self, images: Any) -> torch.Tensor:
+        if isinstance(images, torch.Tensor) and images.dim() == 4 and images.shape[1] == 3:
+            return super()._check_images(images[:, :1])  # same checks; RGB is allowed too
+        return super()._check_images(images)
+
+    def bytes_to_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (or integer) grey levels in [0, 255], any shape -> token ids of the same shape."""
+        v = pixels.to(torch.float32)
+        if self.levels == 256:
+            return v.round().clamp(0, 255).long()
+        return (v * ((self.levels - 1) / 255.0)).round().clamp(0, self.levels - 1).long()
+
+    def tokens_to_bytes(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids, any shape -> uint8 grey levels of the same shape."""
+        return (tokens.to(torch.float32) * (255.0 / (self.levels - 1))).round().clamp(0, 255).to(torch.uint8)
+
+    def _encode(self, images: torch.Tensor) -> torch.Tensor:
+        grey = images.float().mean(dim=1) if images.shape[1] == 3 else images[:, 0].float()  # (B, H, W)
+        pixels = ((grey.clamp(-1.0, 1.0) + 1.0) * 127.5).round()
+        return self.bytes_to_tokens(pixels).flatten(1)  # (B, H*W)
+
+    def _decode(self, tokens: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        h, w = grid
+        grey = self.tokens_to_bytes(tokens).float().div(127.5).sub(1.0).view(-1, 1, h, w)  # (B, 1, h, w)
+        return grey.expand(-1, 3, h, w).contiguous()
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
@@ -235,3 +321,12 @@ def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padd
         os.makedirs(parent, exist_ok=True)
     canvas.save(path)
     return canvas
+
+
+def make_tokenizer(config: dict[str, Any]) -> ImageTokenizer:
+    """A weight-free tokenizer from its JSON description (``{"type": "palette", "levels": 32}``)."""
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind == "palette":
+        return PaletteTokenizer.from_config(config)
+    raise ValueError(f"cannot build a tokenizer from {config!r}: known types are 'palette' "
+                     "(VQ tokenizers load from their own checkpoint)")

@@ -26,14 +26,15 @@ def decode_split_kernel(
     heads = hk * G + offs_g
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
-    q = q * scale
+    q = (q * scale).to(tl.float32)  # scale may arrive as fp64 from torch.compile
 
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
-        m1 = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
+        neg_n = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        m1 = tl.max(neg_n, axis=0)
         l1 = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
         acc1 = tl.zeros((BLOCK_D,), tl.float32)
         for n0 in range(start, end, BLOCK_N):
@@ -42,7 +43,7 @@ def decode_split_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), float("-inf"))  # (BN,)
+            s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
             alpha = tl.exp(m1 - m_new)
             p1 = tl.exp(s1 - m_new)
@@ -56,6 +57,7 @@ def decode_split_kernel(
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        neg_gn = tl.full((BLOCK_G, BLOCK_N), float("-inf"), tl.float32)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             nmask = n < end
@@ -63,7 +65,7 @@ def decode_split_kernel(
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
-            s = tl.where(nmask[None, :], s, float("-inf"))
+            s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -93,7 +95,7 @@ def combine_kernel(
     m = tl.load(M_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=float("-inf"))
     l = tl.load(L_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)  # empty splits (m = -inf) weigh nothing
+    w = tl.where(l > 0, tl.exp(m - m_max), tl.zeros_like(l))  # empty splits (m = -inf) weigh nothing
     acc = tl.load(O_PART + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
                   mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)

@@ -1,0 +1,702 @@
+"""A small, honest trainer for the GPT on token data sets.
+
+One validated :class:`TrainConfig`; :func:`train_gpt` trains with AdamW, linear warm-up then a
+cosine decay, label dropout to the null class (so the model supports classifier-free guidance,
+as LlamaGen's, which drops 10 % of labels), bf16 autocast on CUDA, and a resumable checkpoint
+written every ``ckpt_every`` steps and whenever ``time_limit_s`` is about to run out, so a run
+can be split into short commands (10 minutes each on the lent GPU) that resume each other.
+
+Everything random in a step (the batch, the dropped labels, the flips) is drawn from a
+generator seeded by ``(seed, step)``, so a resumed run sees exactly the batches of a straight
+one, and on the CPU reaches exactly the same weights.
+
+Files under ``out_dir``::
+
+    ckpt.pt           model, optimiser, step, RNG states, config, loss history (resume from it)
+    train_log.json    config, model size, train/val loss history (bits per token), timings
+    model.safetensors the final weights, with the architecture in the header: load it with
+                      ``arsparse.load_gpt(path)`` and no other argument
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..checkpoint import save_safetensors
+from ..loading import config_metadata
+from ..models.config import GPT_PRESETS, GPTConfig, gpt_config
+from ..models.gpt import GPT
+
+__all__ = [
+    "CKPT_NAME",
+    "LOG_NAME",
+    "MODEL_NAME",
+    "RECIPES",
+    "TrainConfig",
+    "TrainResult",
+    "export_model",
+    "load_checkpoint",
+    "lr_at",
+    "make_batch",
+    "recipe_config",
+    "train_gpt",
+]
+
+CKPT_NAME, LOG_NAME, MODEL_NAME = "ckpt.pt", "train_log.json", "model.safetensors"
+CKPT_FORMAT = "arsparse-train/1"
+LN2 = math.log(2.0)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Fields that may differ between a checkpoint and the config that resumes it (they do not
+#: change what is computed). ``steps`` may change too, with a warning (the schedule stretches).
+RESUMABLE_CHANGES = frozenset({"out_dir", "device", "time_limit_s", "ckpt_every", "eval_every", "log_every",
+                               "eval_samples", "compile", "progress", "export_dtype", "steps"})
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run.
+
+    Model: ``preset`` (a name of :data:`arsparse.models.config.GPT_PRESETS`) with optional
+    ``dim`` / ``n_layer`` / ``n_head`` / ``multiple_of`` overrides; ``vocab_size``,
+    ``num_classes`` and the token grid come from the data set.
+
+    Optimisation: AdamW (``betas``, ``weight_decay`` on matrices and embeddings only, as
+    LlamaGen), learning rate ``lr`` reached linearly over ``warmup`` steps, then a cosine decay
+    to ``lr * min_lr_ratio`` at ``steps``; gradients clipped to norm ``grad_clip`` (0: off).
+
+    ``class_dropout_prob``: probability that a training label is replaced by the null class
+    (id ``num_classes``), which the model then learns as the unconditional input of
+    classifier-free guidance. ``hflip``: flip the token grid left to right for a random half of
+    each batch; only meaningful when one token is one pixel (palette tokenizers), where it
+    equals flipping the image before tokenising.
+
+    Run control: ``bf16`` autocast (``None``: on for CUDA, off elsewhere), ``compile``
+    (``torch.compile`` the loss; off by default), ``seed``, ``ckpt_every`` / ``eval_every`` /
+    ``log_every`` in steps, ``eval_samples`` validation images per evaluation (``None``: all),
+    ``time_limit_s`` (stop, checkpointed, before this many seconds have passed since
+    :func:`train_gpt` started; ``None``: no limit), ``out_dir``.
+
+    ``tokenizer``: JSON-able description of the tokenizer that made the tokens (e.g.
+    ``PaletteTokenizer.config()``); stored in the exported header. ``dataset``: a name, logged.
+    """
+
+    out_dir: str
+    preset: str = "GPT-tiny"
+    dim: int | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    multiple_of: int | None = None
+    vocab_size: int = 256
+    num_classes: int = 10
+    grid_h: int = 28
+    grid_w: int = 28
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    class_dropout_prob: float = 0.1
+    hflip: bool = False
+    bf16: bool | None = None
+    compile: bool = False
+    seed: int = 0
+    ckpt_every: int = 1000
+    eval_every: int = 500
+    log_every: int = 50
+    eval_samples: int | None = None
+    time_limit_s: float | None = None
+    device: str = "cpu"
+    export_dtype: str = "bf16"
+    progress: bool = True
+    tokenizer: dict | None = None
+    dataset: str | None = None
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"TrainConfig: {msg}")
+
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir):
+            bad(f"out_dir must be a path, got {self.out_dir!r}")
+        self.out_dir = str(self.out_dir)
+        if self.preset not in GPT_PRESETS:
+            bad(f"unknown preset {self.preset!r}; choose one of {', '.join(GPT_PRESETS)}")
+        for f in ("dim", "n_layer", "n_head", "multiple_of"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(f"{f} must be a positive int or None, got {v!r}")
+        for f in ("vocab_size", "num_classes", "grid_h", "grid_w", "steps", "batch_size", "ckpt_every",
+                  "eval_every", "log_every"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(f"{f} must be a positive int, got {v!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+            bad(f"warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            bad(f"lr must be a positive number, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            bad(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 <= self.weight_decay < 1.0:
+            bad(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            bad(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.grad_clip >= 0.0:
+            bad(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        if not 0.0 <= self.class_dropout_prob < 1.0:
+            bad(f"class_dropout_prob must be in [0, 1), got {self.class_dropout_prob!r}")
+        if self.eval_samples is not None and (isinstance(self.eval_samples, bool) or
+                                              not isinstance(self.eval_samples, int) or self.eval_samples < 1):
+            bad(f"eval_samples must be a positive int or None, got {self.eval_samples!r}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            bad(f"time_limit_s must be > 0 or None, got {self.time_limit_s!r}")
+        if self.export_dtype not in _DTYPES:
+            bad(f"export_dtype must be one of {sorted(_DTYPES)}, got {self.export_dtype!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            bad(f"seed must be a non-negative int, got {self.seed!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            bad(f"device {self.device!r} is not a torch device ({exc})")
+        self.gpt_config()  # architecture errors surface now, not after the data is loaded
+
+    def gpt_config(self) -> GPTConfig:
+        """The architecture this config trains."""
+        over = {k: getattr(self, k) for k in ("dim", "n_layer", "n_head", "multiple_of") if getattr(self, k) is not None}
+        try:
+            return gpt_config(self.preset, model_type="c2i", vocab_size=self.vocab_size, num_classes=self.num_classes,
+                              class_dropout_prob=self.class_dropout_prob, grid_h=self.grid_h, grid_w=self.grid_w,
+                              **over)
+        except ValueError as exc:
+            raise ValueError(f"TrainConfig: bad architecture: {exc}") from None
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid_h * self.grid_w
+
+    def use_bf16(self) -> bool:
+        return torch.device(self.device).type == "cuda" if self.bf16 is None else bool(self.bf16)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+#: Named training recipes: a model size and the hyperparameters that go with a data set.
+#: ``recipe_config(name, out_dir, **overrides)`` turns one into a :class:`TrainConfig`.
+RECIPES: dict[str, dict[str, Any]] = {
+    # Fashion-MNIST, class-conditional, one token per pixel (28 x 28 = 784 tokens), 32 grey levels.
+    #
+    # Size: LlamaGen architecture at dim 384, 10 layers, 6 heads (head_dim 64), FFN 1024:
+    # 17.7 M parameters, 33.8 MiB as bf16 safetensors. It is ~2x GPT-small's depth and fits
+    # the "small to ship" bound (<= ~40 MB); 12 layers would be 40.6 MiB.
+    #
+    # Palette: 32 levels, not 256. Fashion-MNIST is 50 % exact-black background and smooth
+    # shading; a 32-way softmax sees each level 8x more often, so the model learns the
+    # distribution of intensities with far fewer steps than a 256-way one, whose neighbouring
+    # classes are nearly interchangeable; 8-grey-level steps (256 / 32) are hardly visible in
+    # 28 x 28 clothing images. 256 levels (exact) is one flag away (--levels 256).
+    #
+    # Budget: 5000 steps of 128 images = 640 k images (~10.7 epochs of the 60 k training set):
+    # 9.5 minutes on one H200 at the measured 1,122 images/s (bf16, no torch.compile). The
+    # shipped model is this recipe (arsparse/weights/fashion-c2i.md); held-out loss was flat
+    # from step 3000 on, so more steps would need more regularisation, not just more time.
+    #
+    # No horizontal flips by default: Fashion-MNIST's footwear all points one way (the mean
+    # ankle boot has 2.5x more ink in its right half), so flipping changes the distribution.
+    "fashion-c2i": dict(
+        dataset="fashion", preset="GPT-small", dim=384, n_layer=10, n_head=6, multiple_of=64,
+        vocab_size=32, num_classes=10, grid_h=28, grid_w=28,
+        steps=5000, batch_size=128, lr=1e-3, min_lr_ratio=0.1, warmup=300, weight_decay=0.05,
+        betas=(0.9, 0.95), grad_clip=1.0, class_dropout_prob=0.1, hflip=False,
+        ckpt_every=1000, eval_every=1000, log_every=100, eval_samples=None,
+        tokenizer={"type": "palette", "levels": 32},
+    ),
+}
+
+
+def recipe_config(name: str, out_dir: str, **overrides) -> TrainConfig:
+    """A :class:`TrainConfig` from a named recipe plus overrides (``None`` values are ignored).
+
+    A ``preset`` override other than the recipe's drops the recipe's ``dim`` / ``n_layer`` /
+    ``n_head`` / ``multiple_of``, so the preset's own sizes apply (then any given overrides).
+    """
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    kw = dict(RECIPES[name])
+    kw["tokenizer"] = dict(kw["tokenizer"]) if kw.get("tokenizer") else None
+    if overrides.get("preset") is not None and overrides["preset"] != kw.get("preset"):
+        for k in ("dim", "n_layer", "n_head", "multiple_of"):
+            kw.pop(k, None)
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(out_dir=out_dir, **kw)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train_gpt` did.
+
+    ``finished``: all ``steps`` are done (and ``model.safetensors`` is written); otherwise the
+    run stopped at ``time_limit_s`` with a checkpoint to resume from.
+    """
+
+    step: int
+    finished: bool
+    out_dir: Path
+    ckpt_path: Path
+    model_path: Path | None
+    final_val_bpt: float | None
+    history: dict[str, list] = field(default_factory=dict)
+
+
+# ---- pieces -------------------------------------------------------------------------------------
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate of update number ``step`` (0-based): linear warm-up, then cosine decay."""
+    if cfg.warmup and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    t = min(1.0, (step - cfg.warmup) / span)
+    lo = cfg.lr * cfg.min_lr_ratio
+    return lo + 0.5 * (cfg.lr - lo) * (1.0 + math.cos(math.pi * t))
+
+
+def _seed_of(*keys: int) -> int:
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def batch_indices(seed: int, step: int, n: int, batch_size: int) -> torch.Tensor:
+    """Rows of step ``step``: consecutive slices of a per-epoch permutation (last partial batch dropped)."""
+    per_epoch = n // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch_size {batch_size} is larger than the data set ({n} rows)")
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(_seed_of(seed, 0, epoch)))
+    return perm[k * batch_size:(k + 1) * batch_size]
+
+
+def make_batch(cfg: TrainConfig, step: int, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training batch of update ``step``, a pure function of ``(cfg.seed, step)`` and the data.
+
+    Rows come from :func:`batch_indices`; each label is replaced by the null class
+    (``num_classes``) with probability ``class_dropout_prob``; with ``hflip`` each row's token
+    grid is mirrored left to right with probability 1/2.
+
+    Returns
+    -------
+    x : torch.Tensor
+        ``(B, T)`` int64 tokens on ``tokens.device``.
+    y : torch.Tensor
+        ``(B,)`` int64 labels, ``num_classes`` where dropped.
+    """
+    dev = tokens.device
+    g = torch.Generator().manual_seed(_seed_of(cfg.seed, 1, step))
+    idx = batch_indices(cfg.seed, step, tokens.shape[0], cfg.batch_size).to(dev, non_blocking=True)
+    drop = torch.rand(cfg.batch_size, generator=g) < cfg.class_dropout_prob
+    x = tokens[idx].long()  # (B, T)
+    y = torch.where(drop.to(dev, non_blocking=True), cfg.num_classes, labels[idx].long())  # (B,)
+    if cfg.hflip:
+        flip = (torch.rand(cfg.batch_size, generator=g) < 0.5).to(dev, non_blocking=True)
+        grid = x.view(-1, cfg.grid_h, cfg.grid_w)
+        x = torch.where(flip[:, None, None], grid.flip(-1), grid).reshape(x.shape)
+    return x, y
+
+
+def init_weights(model: GPT, seed: int) -> None:
+    """LlamaGen's initialisation: linear and embedding weights N(0, 0.02), output layer zero."""
+    g = torch.Generator().manual_seed(_seed_of(seed, 2))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.02)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+        model.output.weight.zero_()
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def _fingerprint(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+            continue
+        a = t.detach().cpu().contiguous()
+        h.update(str((tuple(a.shape), str(a.dtype))).encode())
+        h.update(a.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_data(cfg: TrainConfig, tokens, labels, what: str) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"{what} tokens must be an integer (N, T) tensor, got {got}")
+    if tokens.shape[1] != cfg.image_tokens:
+        raise ValueError(f"{what} tokens have {tokens.shape[1]} columns; the config's grid "
+                         f"{cfg.grid_h}x{cfg.grid_w} needs {cfg.image_tokens}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != tokens.shape[0]:
+        got = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"{what} labels must be a (N,) tensor with N={tokens.shape[0]}, got {got}")
+    if labels.is_floating_point():
+        raise ValueError(f"{what} labels must be integers, got {labels.dtype}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
+        raise ValueError(f"{what} token ids must be in [0, {cfg.vocab_size}), got "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= cfg.num_classes):
+        raise ValueError(f"{what} labels must be in [0, {cfg.num_classes}), got "
+                         f"[{int(labels.min())}, {int(labels.max())}]")
+
+
+def _compact(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return tokens.to(torch.uint8 if vocab <= 256 else torch.int32)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a training checkpoint written by :func:`train_gpt` (on CPU, ``weights_only``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"training checkpoint not found: {p}")
+    ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise ValueError(f"{p} is not an arsparse training checkpoint (format {CKPT_FORMAT!r})")
+    return ckpt
+
+
+def _config_diff(old: dict, new: dict) -> dict[str, tuple]:
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k)}
+
+
+@torch.no_grad()
+def evaluate(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch_size: int, bf16: bool) -> float:
+    """Mean next-token negative log-likelihood in bits per token, with the true labels."""
+    was_training = model.training
+    model.eval()
+    dev = model.tok_embeddings.weight.device
+    total, count = torch.zeros((), dtype=torch.float64, device=dev), 0
+    for i in range(0, tokens.shape[0], batch_size):
+        x = tokens[i:i + batch_size].to(dev, torch.long)
+        y = labels[i:i + batch_size].to(dev, torch.long)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model.logits(y, x)
+        total += nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="sum").double()
+        count += x.numel()
+    model.train(was_training)
+    return float(total) / max(count, 1) / LN2
+
+
+def _log(msg: str, progress: bool) -> None:
+    if progress:
+        from tqdm.auto import tqdm
+        tqdm.write(msg, file=sys.stderr)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
+              val_tokens: torch.Tensor | None = None, val_labels: torch.Tensor | None = None,
+              *, resume: bool = True, stop_after: int | None = None,
+              started_at: float | None = None) -> TrainResult:
+    """Train (or resume training) a class-conditional GPT on token sequences.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+    tokens : torch.Tensor
+        ``(N, T)`` integer token ids in ``[0, vocab_size)``, ``T = grid_h * grid_w``, raster order.
+    labels : torch.Tensor
+        ``(N,)`` class ids in ``[0, num_classes)``.
+    val_tokens, val_labels : torch.Tensor, optional
+        Held-out data, evaluated every ``eval_every`` steps and at the end (bits per token).
+    resume : bool
+        Continue from ``out_dir/ckpt.pt`` when it exists (it must come from the same
+        config and data). ``False`` refuses to overwrite an existing checkpoint.
+    stop_after : int, optional
+        Stop (with a checkpoint) after this many steps in this call, as the time limit does.
+    started_at : float, optional
+        ``time.monotonic()`` from which ``time_limit_s`` counts (a CLI passes its own start, so
+        that loading the data counts too); default: when this function is called.
+
+    Returns
+    -------
+    TrainResult
+    """
+    t_start = time.monotonic() if started_at is None else started_at
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"stop_after must be a positive int or None, got {stop_after!r}")
+    _check_data(cfg, tokens, labels, "training")
+    if (val_tokens is None) != (val_labels is None):
+        raise ValueError("give both val_tokens and val_labels, or neither")
+    if val_tokens is not None:
+        _check_data(cfg, val_tokens, val_labels, "validation")
+        if cfg.eval_samples is not None:
+            val_tokens, val_labels = val_tokens[:cfg.eval_samples], val_labels[:cfg.eval_samples]
+    n = tokens.shape[0]
+    if n < cfg.batch_size:
+        raise ValueError(f"batch_size {cfg.batch_size} is larger than the training set ({n} rows)")
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path, log_path, model_path = out / CKPT_NAME, out / LOG_NAME, out / MODEL_NAME
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r} asked for, but CUDA is not available")
+    bf16 = cfg.use_bf16()
+    data_id = _fingerprint(_compact(tokens, cfg.vocab_size), labels,
+                           None if val_tokens is None else _compact(val_tokens, cfg.vocab_size), val_labels)
+
+    gcfg = cfg.gpt_config()
+    torch.manual_seed(cfg.seed)
+    model = GPT(gcfg)
+    init_weights(model, cfg.seed)
+    model.to(device).train()
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                            **({"fused": True} if fused else {}))
+    history: dict[str, list] = {"train": [], "val": []}
+    step, train_time = 0, 0.0
+
+    if ckpt_path.exists():
+        if not resume:
+            raise FileExistsError(f"{ckpt_path} exists: resume from it (resume=True / --resume) or choose another out_dir")
+        ckpt = load_checkpoint(ckpt_path)
+        diff = _config_diff(ckpt["config"], cfg.to_dict())
+        if diff:
+            lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"{ckpt_path} was made with another config; resume with the same settings "
+                             f"or choose another out_dir:\n{lines}")
+        if ckpt["data_id"] != data_id:
+            raise ValueError(f"{ckpt_path} was trained on other data (fingerprint {ckpt['data_id'][:12]}, "
+                             f"now {data_id[:12]}); resume with the same data set and tokenizer")
+        if ckpt["config"]["steps"] != cfg.steps:
+            warnings.warn(f"steps changed from {ckpt['config']['steps']} to {cfg.steps}: the cosine schedule "
+                          f"is stretched from step {ckpt['step']} on", stacklevel=2)
+        model.load_state_dict(ckpt["model"], strict=True)
+        opt.load_state_dict(ckpt["optimizer"])
+        step, train_time, history = int(ckpt["step"]), float(ckpt["train_time_s"]), ckpt["history"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
+        _log(f"resumed from {ckpt_path} at step {step}/{cfg.steps}", cfg.progress)
+        del ckpt
+    elif resume:
+        _log(f"no checkpoint at {ckpt_path}: starting from step 0", cfg.progress)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    size_mb = n_params * _DTYPES[cfg.export_dtype].itemsize / 1e6
+    if step == 0:
+        _log(f"training {gcfg.n_layer} layers x dim {gcfg.dim} ({n_params / 1e6:.2f} M parameters, "
+             f"{size_mb:.1f} MB as {cfg.export_dtype}), vocab {gcfg.vocab_size}, {gcfg.grid_h}x{gcfg.grid_w} "
+             f"tokens, {n} training rows, {cfg.steps} steps of {cfg.batch_size} on {device}"
+             f"{' (bf16 autocast)' if bf16 else ''}", cfg.progress)
+
+    dev_tokens = _compact(tokens, cfg.vocab_size).to(device)
+    dev_labels = labels.to(device, torch.long)
+    loss_fn = torch.compile(model.loss) if cfg.compile else model.loss
+
+    def save(reason: str) -> float:
+        t0 = time.monotonic()
+        state = {
+            "format": CKPT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "config": cfg.to_dict(), "gpt_config": asdict(gcfg), "history": history, "data_id": data_id,
+            "train_time_s": train_time,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+        }
+        _atomic_torch_save(state, ckpt_path)
+        _write_json(_log_record(cfg, gcfg, n_params, step, train_time, history, finished=False), log_path)
+        dt = time.monotonic() - t0
+        _log(f"step {step}: checkpoint saved ({reason}, {dt:.1f} s) -> {ckpt_path}", cfg.progress)
+        return dt
+
+    def run_eval() -> float | None:
+        if val_tokens is None:
+            return None
+        t0 = time.monotonic()
+        bpt = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16)
+        history["val"].append({"step": step, "val_bpt": bpt, "time_s": round(train_time, 2)})
+        _log(f"step {step}: val {bpt:.4f} bits/token ({time.monotonic() - t0:.1f} s)", cfg.progress)
+        return bpt
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc="train", unit="step",
+               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    window_loss = torch.zeros((), device=device)
+    window_n, window_t0 = 0, time.monotonic()
+    step_time = None  # running estimate of seconds per step
+    save_time = 2.0  # seconds; re-measured at each save
+    eval_time = 0.0
+    stopped = False
+    last_saved = first_step = step
+    try:
+        while step < cfg.steps:
+            if stop_after is not None and step - first_step >= stop_after:
+                stopped = True
+                break
+            if cfg.time_limit_s is not None:
+                due_eval = val_tokens is not None and (step + 1) % cfg.eval_every == 0
+                reserve = 2 * (step_time or 0.0) + save_time + (eval_time if due_eval else 0.0) + 1.0
+                if time.monotonic() - t_start + reserve >= cfg.time_limit_s:
+                    stopped = True
+                    break
+            t0 = time.monotonic()
+            lr = lr_at(cfg, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = make_batch(cfg, step, dev_tokens, dev_labels)  # (B, T), (B,)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(y, x)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            window_loss += loss.detach().float()
+            window_n += 1
+            step += 1
+            bar.update(1)
+
+            if window_n == cfg.log_every or step == cfg.steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.monotonic() - window_t0
+                bpt = float(window_loss) / window_n / LN2
+                history["train"].append({"step": step, "train_bpt": bpt, "lr": lr,
+                                         "images_per_s": window_n * cfg.batch_size / dt})
+                eta = (cfg.steps - step) * dt / window_n
+                bar.set_postfix(bpt=f"{bpt:.4f}", lr=f"{lr:.2e}", img_s=f"{window_n * cfg.batch_size / dt:.0f}",
+                                eta=f"{eta / 60:.1f}min", refresh=False)
+                if not cfg.progress or len(history["train"]) == 1:
+                    _log(f"step {step}: train {bpt:.4f} bits/token, lr {lr:.2e}, "
+                         f"{window_n * cfg.batch_size / dt:.0f} images/s, ETA {eta / 60:.1f} min", cfg.progress)
+                window_loss.zero_()
+                window_n, window_t0 = 0, time.monotonic()
+            train_time += time.monotonic() - t0
+            dt_step = time.monotonic() - t0
+            step_time = dt_step if step_time is None else 0.9 * step_time + 0.1 * dt_step
+
+            if val_tokens is not None and step % cfg.eval_every == 0 and step < cfg.steps:
+                t0 = time.monotonic()
+                run_eval()
+                eval_time = time.monotonic() - t0
+                window_t0 += eval_time
+            if step % cfg.ckpt_every == 0 and step < cfg.steps:
+                save_time = save("every %d steps" % cfg.ckpt_every)
+                last_saved = step
+                window_t0 += save_time
+    finally:
+        bar.close()
+
+    if stopped:
+        why = (f"stop_after={stop_after}" if stop_after is not None and step - first_step >= stop_after
+               else f"time limit {cfg.time_limit_s:g} s")
+        if step != last_saved or not ckpt_path.exists():
+            save(why)
+        if step == first_step:
+            warnings.warn(f"no training step fitted in the time limit ({cfg.time_limit_s:g} s); "
+                          "give a larger time limit", stacklevel=2)
+        _log(f"stopped at step {step}/{cfg.steps} ({why}); run the same command again to resume", cfg.progress)
+        return TrainResult(step, False, out, ckpt_path, None, None, history)
+
+    if history["val"] and history["val"][-1]["step"] == step:  # a finished run, resumed again
+        final = history["val"][-1]["val_bpt"]
+    else:
+        final = run_eval()
+    save("finished")
+    model_path = export_model(ckpt_path, model_path, dtype=cfg.export_dtype)
+    record = _log_record(cfg, gcfg, n_params, step, train_time, history, finished=True)
+    record["final_val_bpt"] = final
+    _write_json(record, log_path)
+    _log(f"done: {step} steps in {train_time / 60:.1f} min of training; "
+         f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}", cfg.progress)
+    return TrainResult(step, True, out, ckpt_path, model_path, final, history)
+
+
+def _log_record(cfg, gcfg, n_params, step, train_time, history, finished) -> dict:
+    return {
+        "finished": finished, "step": step, "steps": cfg.steps, "train_time_s": round(train_time, 2),
+        "num_params": n_params, "config": cfg.to_dict(), "gpt_config": asdict(gcfg),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(torch.device(cfg.device)) if torch.device(cfg.device).type == "cuda" else cfg.device,
+        "history": history,
+    }
+
+
+def export_model(ckpt_path: str | os.PathLike, out_path: str | os.PathLike | None = None,
+                 dtype: str | torch.dtype = "bf16") -> Path:
+    """Write the weights of a training checkpoint as a self-describing ``.safetensors``.
+
+    Parameters
+    ----------
+    ckpt_path : str or os.PathLike
+        ``ckpt.pt`` written by :func:`train_gpt` (finished or not).
+    out_path : str or os.PathLike, optional
+        Default: ``model.safetensors`` beside the checkpoint.
+    dtype : {"bf16", "fp16", "fp32"} or torch.dtype
+        Precision of the floating-point tensors in the file.
+
+    Returns
+    -------
+    Path
+        The file; ``arsparse.load_gpt(path)`` rebuilds the model from its header alone.
+    """
+    ckpt = load_checkpoint(ckpt_path)
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    gcfg = GPTConfig(**ckpt["gpt_config"])
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in ckpt["model"].items()}
+    meta = config_metadata(gcfg)
+    cfg = ckpt["config"]
+    meta["arsparse.train"] = json.dumps({"step": ckpt["step"], "steps": cfg["steps"], "dataset": cfg.get("dataset"),
+                                         "seed": cfg["seed"], "val": ckpt["history"].get("val", [])[-1:]})
+    if cfg.get("tokenizer"):
+        meta["arsparse.tokenizer"] = json.dumps(cfg["tokenizer"])
+    out = Path(out_path) if out_path is not None else Path(ckpt_path).with_name(MODEL_NAME)
+    save_safetensors(sd, out, meta)
+    return out
