@@ -64,7 +64,10 @@ def cmd_generate(args) -> int:
     gpt, tok, cfg_scale = _build_model(args)
     cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
     cfg = gpt.config
-    gen = Generator(gpt, tok, device=args.device, dtype=args.dtype)
+    from .policies import get, parse_args
+
+    policy = get(args.policy, **parse_args(args.policy_arg))
+    gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy)
     if cfg.model_type == "t2i":
         if not args.caption_features:
             raise ValueError("this is a text-conditional model: give --caption-features FILE (B, 120, 2048)")
@@ -103,7 +106,7 @@ def cmd_generate(args) -> int:
     if scale > 1:
         images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
     save_grid(images, out / "grid.png", nrow=args.nrow)
-    info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3),
+    info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3), policy=policy.describe(),
                 image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype))
     (out / "generate.json").write_text(json.dumps(info, indent=2))
     print(f"wrote {n} images to {out / 'images'} and {out / 'grid.png'} ({elapsed:.1f} s, {n / elapsed:.2f} images/s)")
@@ -133,6 +136,47 @@ def cmd_models(args) -> int:
     for name, p in GPT_PRESETS.items():
         print(f"   {name:<10} layers={p['n_layer']:<3} heads={p['n_head']:<3} dim={p['dim']}")
     print(f"\nVQ presets: {', '.join(VQ_PRESETS)}   (* = default)")
+    return 0
+
+
+def policy_rows(gpt, cfg_rows: int = 2) -> list[dict]:
+    """Every registered policy at its defaults on ``gpt``: budget and KV bytes per image."""
+    from . import policies
+
+    cfg = gpt.config
+    rows = []
+    for name in policies.names():
+        pol = policies.get(name)
+        d = pol.describe()
+        try:
+            b = pol.budget(gpt.layout, cfg.n_layer, cfg.n_head)
+            d.update(read=round(b.read, 1), kept=b.kept, dense=b.dense, rho=round(b.rho, 4),
+                     kv_bytes_per_image=b.kept * cfg.kv_bytes_per_token(2) * cfg_rows)
+        except policies.PolicyError as e:  # e.g. needs calibration or does not fit this model
+            d.update(note=str(e))
+        rows.append(d)
+    return rows
+
+
+def cmd_policies(args) -> int:
+    from .bundles import DEFAULT_MODEL, load_model
+
+    args.model = args.model or DEFAULT_MODEL
+    gpt, _ = load_model(args.model)
+    rows = policy_rows(gpt)
+    if args.json:
+        print(json.dumps(dict(model=args.model, rows=rows), indent=2))
+        return 0
+    print(f"Policies on {args.model} (grid {gpt.config.grid_h}x{gpt.config.grid_w}, prompt {gpt.config.cls_token_num}); "
+          f"KV per image in bf16 with guidance (2 sequences):")
+    print(f"{'name':<20}{'kind':<8}{'read':>8}{'kept':>7}{'rho':>8}{'KV MB':>9}  parameters")
+    for r in rows:
+        if "kept" in r:
+            print(f"{r['name']:<20}{r['kind']:<8}{r['read']:>8}{r['kept']:>7}{r['rho']:>8.3f}"
+                  f"{r['kv_bytes_per_image'] / 1e6:>9.2f}  {r['params']}")
+        else:
+            print(f"{r['name']:<20}{r['kind']:<8}{'':>32}  {r['params']}  ({r['note']})")
+        print(f"{'':<20}{r['source']}")
     return 0
 
 
@@ -169,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
+    g.add_argument("--policy", default="dense", help="sparse-attention policy (see `arsparse policies`)")
+    g.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy parameter, repeatable: --policy-arg rows=3 --policy-arg band=2")
     g.add_argument("--out", default="out", help="output folder: grid.png, images/, generate.json")
     g.add_argument("--nrow", type=int, default=8, help="images per row of grid.png")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -178,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_models)
 
+    pp = sub.add_parser("policies", help="list the sparse-attention policies, their parameters, budgets and sources")
+    pp.add_argument("--model", default=None, help="model whose layout sets the budgets (default: the default model)")
+    pp.add_argument("--json", action="store_true")
+    pp.set_defaults(func=cmd_policies)
+
     c = sub.add_parser("convert", help="convert a checkpoint (.pt/.pth, any LlamaGen layout) to .safetensors")
     c.add_argument("src")
     c.add_argument("dst")
@@ -185,10 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_convert)
 
     from .bench import add_bench_parser
+    from .eval.cli import add_eval_parser
     from .training.cli import add_train_parser
 
     add_bench_parser(sub)
     add_train_parser(sub)
+    add_eval_parser(sub)
     return p
 
 

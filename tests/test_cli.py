@@ -42,3 +42,48 @@ def test_models_and_convert(tmp_path, capsys):
     from safetensors.torch import load_file
 
     assert load_file(str(tmp_path / "a.safetensors"))["w"].shape == (3, 4)
+
+
+def test_policies_listing(capsys):
+    import arsparse.policies as policies
+
+    assert main(["policies", "--json", "--model", "random-small"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["name"] for r in rows} == set(policies.names())
+    dense = next(r for r in rows if r["name"] == "dense")
+    assert dense["kept"] == 1 + 255 and dense["rho"] == 1.0
+
+
+def _tiny_checkpoints(tmp_path):
+    """A tiny GPT (4x4 tokens, vocab 48) and a matching tiny VQ-16, saved as LlamaGen-layout files."""
+    from arsparse.checkpoint import save_safetensors
+    from arsparse.loading import config_metadata
+    from arsparse.models.vq import VQModel, vq_config
+    from conftest import random_gpt
+
+    gpt = random_gpt("c2i", image_tokens=16)
+    save_safetensors(gpt.state_dict(), tmp_path / "gpt.safetensors", config_metadata(gpt.config))
+    vq = VQModel(vq_config("VQ-16", ch=32, codebook_size=48))
+    save_safetensors(vq.state_dict(), tmp_path / "vq.safetensors", config_metadata(vq.config))
+    return ["--gpt-ckpt", str(tmp_path / "gpt.safetensors"), "--vq-ckpt", str(tmp_path / "vq.safetensors")]
+
+
+def test_every_policy_runs_end_to_end_through_generate(tmp_path, capsys):
+    import arsparse.policies as policies
+
+    ckpt = _tiny_checkpoints(tmp_path)
+    for name in policies.names():
+        args = {"diagonal": ["--policy-arg", "local=2", "--policy-arg", "rows=1", "--policy-arg", "band=1"],
+                "streaming": ["--policy-arg", "recent=5"],
+                "adsa": ["--policy-arg", "rho=0.9", "--policy-arg", "local=4"],
+                "diagonal-adaptive": ["--policy-arg", "rho=0.9", "--policy-arg", "calib_rows=2"]}.get(name, ["--policy-arg", "rho=0.9"])
+        if name == "dense":
+            args = []
+        out = tmp_path / name
+        rc = main(["generate", *ckpt, "--classes", "3,4", "--cfg-scale", "2", "--out", str(out), "--quiet",
+                   "--policy", name, *args])
+        assert rc == 0, capsys.readouterr().err
+        assert json.loads((out / "generate.json").read_text())["policy"]["name"] == name
+        assert len(list((out / "images").glob("*.png"))) == 2
+    assert main(["generate", *ckpt, "--policy", "diagonal", "--policy-arg", "band=-1", "--out", str(tmp_path)]) == 2
+    assert "band must be an integer >= 0" in capsys.readouterr().err

@@ -43,3 +43,16 @@ def test_compiled_step_agrees_with_eager():
     eager = Generator(model, device="cuda", dtype="fp32", compile=False).sample_tokens(cond, seed=3)
     fused = Generator(model, device="cuda", dtype="fp32", compile=True).sample_tokens(cond, seed=3)
     assert (eager == fused).float().mean() > 0.95  # fused kernels may round differently; rare flips
+
+
+@pytest.mark.parametrize("policy", [dict(name="diagonal", local=3, rows=2, band=1, sinks=2),
+                                    dict(name="h2o", rho=0.4), dict(name="tova", rho=0.4)])
+def test_policy_caches_under_cuda_graphs_equal_eager(policy):
+    import arsparse.policies as policies
+
+    pol = policies.get(**policy)
+    model = random_gpt("c2i", seed=10, image_tokens=64)
+    cond = random_cond(model, 3)
+    eager = Generator(model, device="cuda", dtype="fp32", cuda_graphs=False, policy=pol).sample_tokens(cond, seed=2)
+    graph = Generator(model, device="cuda", dtype="fp32", cuda_graphs=True, policy=pol).sample_tokens(cond, seed=2)
+    assert torch.equal(eager, graph)

@@ -56,11 +56,15 @@ class _Runner:
     """Static buffers and the prefill/decode steps for one plan."""
 
     def __init__(self, gpt: GPT, plan: _Plan, device: torch.device, use_graphs: bool, kernel: str = "torch",
-                 compile_step: bool = False):
+                 compile_step: bool = False, policy=None):
         cfg = gpt.config
         self.gpt, self.plan, self.P, self.N = gpt, plan, cfg.cls_token_num, cfg.image_tokens
         b = plan.batch
-        self.cache = DenseKVCache(cfg, 2 * b if plan.cfg else b, gpt.dtype, device, kernel=kernel)
+        rows = 2 * b if plan.cfg else b  # guidance rows are separate sequences to a policy
+        if policy is None:
+            self.cache = DenseKVCache(cfg, rows, gpt.dtype, device, kernel=kernel)
+        else:
+            self.cache = policy.make_cache(cfg, rows, gpt.dtype, device, kernel=kernel)
         z = dict(device=device)
         self.cur = torch.zeros(b, dtype=torch.long, **z)  # last sampled token per image
         self.out = torch.zeros(b, self.N, dtype=torch.long, **z)  # (B, N)
@@ -158,11 +162,14 @@ class Generator:
     kernel : {"torch", "triton"}, optional
         Decode attention implementation (default: Triton on CUDA when installed).
     compile : bool, optional
-        ``torch.compile`` the decode step before capturing it (default: on for CUDA).
+        ``torch.compile`` the decode step before capturing it (default: off; on GPT-XL the
+        whole-step compile took over 10 minutes on an H200, see BENCHMARKS.md).
+    policy : str or Policy, optional
+        Sparse-attention policy (see ``arsparse policies``); default dense.
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
-                 kernel: str | None = None, compile: bool | None = None):
+                 kernel: str | None = None, compile: bool = False, policy=None):
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -171,10 +178,16 @@ class Generator:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
-        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.compile = bool(compile)
         self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
+        from ..policies import resolve
+
+        self.policy = resolve(policy)
+        if self.policy is not None:
+            self.policy = self.policy.prepare(self.gpt)
+            self.policy.check(gpt.layout)
         self._runner: _Runner | None = None
 
     @property
@@ -195,7 +208,8 @@ class Generator:
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self.compile)
+            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self.compile,
+                                   self.policy)
         return self._runner
 
     @torch.no_grad()
@@ -264,12 +278,14 @@ class Generator:
     def cached_logits(self, cond, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher forcing through the decode path: logits (B, T, V) of the cache, step by step.
 
-        Equals ``gpt.logits(cond, tokens)`` up to float rounding; no guidance, no sampling.
+        Equals ``gpt.logits(cond, tokens, policy=self.policy)`` up to float rounding; no guidance,
+        no sampling.
         """
         cond = torch.as_tensor(cond).to(self.device)
         self.gpt.check_cond(cond, allow_null=True)
         tokens = tokens.to(self.device)
-        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, False, self.kernel)
+        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, False, self.kernel,
+                      policy=self.policy)
         out = [run.prefill_logits(cond)]
         for t in range(1, tokens.shape[1]):
             run.cur.copy_(tokens[:, t - 1])

@@ -182,8 +182,19 @@ class GPT(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(h).float()
 
-    def logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits (B, T, vocab): position i predicts image token i from cond and tokens < i."""
+    def logits(self, cond: torch.Tensor, tokens: torch.Tensor, policy=None,
+               backend: AttentionBackend | None = None) -> torch.Tensor:
+        """Teacher-forced logits (B, T, vocab): position i predicts image token i from cond and tokens < i.
+
+        With ``policy`` (a name or a policy object), attention is computed as the decode path
+        computes it under that policy: masked to each query's read set for offset policies,
+        token by token through the evicting cache for scored ones. ``backend`` overrides attention
+        directly (used by the policies themselves).
+        """
+        if policy is not None:
+            from ..policies import resolve
+
+            return resolve(policy).prepare(self).teacher_forced_logits(self, cond, tokens)
         cfg = self.config
         self.check_cond(cond, allow_null=True)
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
@@ -195,7 +206,7 @@ class GPT(nn.Module):
             raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns, got {T}")
         h = torch.cat([self.embed_cond(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # (B, P+T-1, dim)
         positions = torch.arange(h.shape[1], device=h.device)
-        h = self.forward_hidden(h, positions)
+        h = self.forward_hidden(h, positions, backend)
         return self.head(h[:, cfg.cls_token_num - 1 :])
 
     def loss(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

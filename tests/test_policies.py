@@ -1,0 +1,201 @@
+"""Sparse-attention policies: read sets by hand, eviction safety, budgets, and agreement with dense."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import arsparse.policies as policies
+from arsparse.engine.generator import Generator, _Plan, _Runner
+from arsparse.layout import Layout
+from arsparse.policies import PolicyError
+from conftest import random_cond, random_gpt
+
+OFFSET = ["streaming", "diagonal"]
+SCORED = ["h2o", "tova", "lines", "adsa"]
+
+
+def test_registry_lists_every_policy_with_a_source():
+    got = policies.names()
+    for name in ["dense", *OFFSET, *SCORED]:
+        assert name in got
+        d = policies.get(name).describe()
+        assert d["source"] and d["name"] == name and isinstance(d["params"], dict)
+
+
+def test_diagonal_read_sets_by_hand():
+    """4x6 grid after a 2-token prompt: position = 2 + 6 * row + col."""
+    lay = Layout(prefix_len=2, grid_h=4, grid_w=6)
+    pol = policies.get("diagonal", local=2, rows=1, band=1, sinks=0)
+    # (row 1, col 2) = 10: prompt, itself and the previous token, and cols 1..3 of row 0.
+    assert pol.read_positions(lay, 10) == [0, 1, 3, 4, 5, 9, 10]
+    # Left edge (row 2, col 0) = 14: the band around 8 wraps to the right end of row 0 (position 7).
+    assert pol.read_positions(lay, 14) == [0, 1, 7, 8, 9, 13, 14]
+    # Right edge (row 1, col 5) = 13: the band around 7 wraps onto the start of row 1 (position 8).
+    assert pol.read_positions(lay, 13) == [0, 1, 6, 7, 8, 12, 13]
+    # First row: no row above; the band around q - 6 falls into the prompt (kept anyway) or nowhere.
+    assert pol.read_positions(lay, 4) == [0, 1, 3, 4]
+    two = policies.get("diagonal", local=1, rows=2, band=0, sinks=2)
+    # (row 3, col 3) = 23: sinks 2, 3; the tokens straight above, 17 and 11; itself.
+    assert two.read_positions(lay, 23) == [0, 1, 2, 3, 11, 17, 23]
+
+
+def test_streaming_read_set_by_hand():
+    lay = Layout(prefix_len=1, grid_h=3, grid_w=5)
+    pol = policies.get("streaming", sinks=2, recent=3)
+    assert pol.read_positions(lay, 12) == [0, 1, 2, 10, 11, 12]
+    assert pol.read_positions(lay, 3) == [0, 1, 2, 3]  # recent window overlapping the sinks
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(0, 3), gh=st.integers(2, 6), gw=st.integers(2, 7), extra=st.integers(0, 2),
+       local=st.integers(1, 5), rows=st.integers(0, 3), band=st.integers(0, 3), sinks=st.integers(0, 3))
+def test_offset_policies_never_read_what_they_evicted(P, gh, gw, extra, local, rows, band, sinks):
+    lay = Layout(P, gh, gw, row_stride=gw + extra)
+    rows = min(rows, gh - 1)
+    band = min(band, lay.row_stride - 1)
+    pol = policies.get("diagonal", local=local, rows=rows, band=band, sinks=sinks)
+    W = pol.window(lay)
+    S = min(sinks, lay.image_tokens - 1)
+    last = P + lay.image_tokens - 1
+    evicted = set()
+    for q in range(P, last):
+        held = set(range(min(P + S, q + 1))) | {p for p in range(max(P, q - W + 1), q + 1)}
+        reads = set(pol.read_positions(lay, q))
+        assert reads <= held, (q, reads - held)
+        assert not reads & evicted
+        evicted |= {p for p in range(P + S, q + 1) if p not in held}
+
+
+def test_ring_cache_decode_equals_masked_teacher_forcing():
+    model = random_gpt("c2i", seed=11, image_tokens=36)
+    cond = random_cond(model, 2)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 36))
+    dense = model.logits(cond, tokens)
+    for pol in [policies.get("diagonal", local=2, rows=1, band=1, sinks=1), policies.get("streaming", sinks=2, recent=5)]:
+        cached = Generator(model, device="cpu", policy=pol).cached_logits(cond, tokens)
+        with torch.no_grad():
+            masked = model.logits(cond, tokens, policy=pol)
+        torch.testing.assert_close(cached, masked, atol=1e-4, rtol=1e-4)
+        assert (masked - dense).abs().max() > 0.1  # the policy really skips something
+
+
+def test_dense_policy_is_exactly_the_engine():
+    model = random_gpt("c2i", seed=12)
+    cond = random_cond(model, 3)
+    plain = Generator(model, device="cpu").sample_tokens(cond, seed=4)
+    dense = Generator(model, device="cpu", policy="dense").sample_tokens(cond, seed=4)
+    assert torch.equal(plain, dense)
+    tokens = torch.randint(0, 48, (3, 16))
+    with torch.no_grad():
+        assert torch.equal(model.logits(cond, tokens, policy="dense"), model.logits(cond, tokens))
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("diagonal", dict(local=36)), ("streaming", dict(recent=36, sinks=0)),
+    ("h2o", dict(rho=1.0)), ("tova", dict(rho=1.0)), ("lines", dict(rho=1.0)), ("adsa", dict(rho=1.0)),
+])
+def test_policies_that_cover_everything_give_the_dense_result(name, kw):
+    model = random_gpt("c2i", seed=13, image_tokens=36)
+    cond = random_cond(model, 2)
+    tokens = torch.randint(0, 48, (2, 36))
+    pol = policies.get(name, **kw)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(cond, tokens, policy=pol), model.logits(cond, tokens),
+                                   atol=1e-4, rtol=1e-4)
+    gen = Generator(model, device="cpu", policy=pol)
+    assert torch.equal(gen.sample_tokens(cond, seed=1, top_k=1), Generator(model, device="cpu").sample_tokens(cond, seed=1, top_k=1))
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_scored_policies_respect_budget_and_evict_the_lowest_score(name):
+    model = random_gpt("c2i", seed=14, image_tokens=36)
+    cfg = model.config
+    kw = dict(rho=0.45) if name != "adsa" else dict(rho=0.45, local=3)
+    if name == "lines":
+        kw.update(recent_rows=1, anchors=1)
+    pol = policies.get(name, **kw)
+    cap = pol.capacity(model.layout)
+    cond = random_cond(model, 3)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 36))
+    run = _Runner(model, _Plan(3, False, 0, False), torch.device("cpu"), False, policy=pol)
+    cache = run.cache
+    evictions = 0
+    with torch.no_grad():
+        run.prefill_logits(cond)
+        for t in range(1, 36):
+            before = cache.spos.clone()
+            q = cache.pos.clone()
+            run.cur.copy_(tokens[:, t - 1])
+            run.step_logits()
+            kept = cache.kept()
+            assert int(kept.max()) <= cap
+            assert torch.equal(kept, torch.minimum(torch.full_like(kept, t), torch.tensor(cap)))
+            for li in range(cfg.n_layer):
+                for b in range(3):
+                    for h in range(cfg.kv_heads):
+                        had = set(before[li, b, h][before[li, b, h] >= 0].tolist()) | {int(q)}
+                        now_pos = cache.spos[li, b, h]
+                        gone = had - set(now_pos[now_pos >= 0].tolist())
+                        assert len(gone) <= 1
+                        if not gone:
+                            continue
+                        evictions += 1
+                        (p,) = gone
+                        score = cache.score[li, b, h]
+                        slot_p = int((before[li, b, h] == p).nonzero()[0]) if p != int(q) else None
+                        assert slot_p is not None, "the token just written was evicted"
+                        prot = pol.protected(now_pos, q, model.layout)
+                        others = (now_pos >= 0) & ~prot
+                        rank = pol.eviction_score(score, now_pos, model.layout)
+                        assert rank[slot_p] <= rank[others].min() + 1e-6
+    assert evictions > 0
+
+
+@pytest.mark.parametrize("name,kw,msg", [
+    ("diagonal", dict(band=-1), "band must be an integer >= 0"),
+    ("diagonal", dict(rows=-2), "rows must be an integer >= 0"),
+    ("diagonal", dict(local=0), "local must be an integer >= 1"),
+    ("diagonal", dict(rho=1.5), r"rho .* must be in \(0, 1\]"),
+    ("h2o", dict(rho=0.0), r"rho .* must be in \(0, 1\]"),
+    ("h2o", dict(recent=1.0), r"recent .* must be in \[0, 1\)"),
+    ("streaming", dict(recent=0), "recent must be an integer >= 1"),
+    ("diagonal", dict(width=3), r"unknown parameter\(s\) \['width'\]; allowed: \['local', 'rows', 'band', 'sinks', 'rho'\]"),
+    ("nope", {}, "unknown policy 'nope'; choose one of dense"),
+])
+def test_bad_parameters_say_what_is_allowed(name, kw, msg):
+    with pytest.raises(PolicyError, match=msg):
+        policies.get(name, **kw)
+
+
+def test_budgets_that_do_not_fit_the_image_are_rejected():
+    model = random_gpt("c2i", image_tokens=36)  # 6 x 6
+    with pytest.raises(PolicyError, match="rows=6 reaches beyond the 6-row image"):
+        Generator(model, device="cpu", policy=policies.get("diagonal", rows=6))
+    with pytest.raises(PolicyError, match="band=6 must be below the row stride"):
+        Generator(model, device="cpu", policy=policies.get("diagonal", rows=1, band=6))
+    with pytest.raises(PolicyError, match="too small for even one row"):
+        policies.get("diagonal", rho=0.05).offsets(model.layout)
+    with pytest.raises(PolicyError, match="fewer than"):
+        Generator(model, device="cpu", policy=policies.get("lines", rho=0.2))
+
+
+def test_budget_reports_and_rho_selection():
+    lay = Layout(1, 24, 24)  # LlamaGen 384 px
+    d = policies.get("diagonal", local=4, rows=3, band=2, sinks=0).budget(lay)
+    assert d.dense == 576
+    assert d.kept == 1 + 3 * 24 + 2 + 1  # prompt + ring up to offset 3W+2
+    assert 1 + 4 + 3 * 5 - 2 <= d.read <= 1 + 4 + 3 * 5
+    sel = policies.get("diagonal", rho=0.25)
+    assert sel.budget(lay).rho <= 0.25 and sel.n_rows(lay) == 5
+    h = policies.get("h2o", rho=0.25).budget(lay)
+    assert h.kept == 144 and abs(h.rho - 0.25) < 1e-9
+
+
+def test_ring_and_slot_caches_free_memory():
+    model = random_gpt("c2i", image_tokens=64)
+    cfg = model.config
+    dense = Generator(model, device="cpu")._runner_for(_Plan(2, False, 0, False)).cache.nbytes()
+    ring = policies.get("diagonal", local=2, rows=1, band=1, sinks=0).make_cache(cfg, 2, torch.float32, "cpu").nbytes()
+    slot = policies.get("h2o", rho=0.25).make_cache(cfg, 2, torch.float32, "cpu")
+    assert ring < dense / 4
+    assert slot.k.numel() * 2 * 4 < dense / 2
