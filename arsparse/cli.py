@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--key", help="sub-dictionary to extract, e.g. ema")
     c.set_defaults(func=cmd_convert)
 
+    from .analysis.cli import add_analyze_parser
     from .bench import add_bench_parser
     from .eval.cli import add_eval_parser
     from .training.cli import add_train_parser
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
+    add_analyze_parser(sub)
     return p
 
 
