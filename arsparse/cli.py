@@ -9,59 +9,14 @@ from pathlib import Path
 
 import torch
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, got {text!r}") from None
-
-
-def _load_features(path: str) -> torch.Tensor:
-    """Caption features (B, 120, 2048) from .pt / .npy / .safetensors (first tensor)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"caption-feature file not found: {p}")
-    if p.suffix == ".npy":
-        import numpy as np
-
-        return torch.from_numpy(np.load(p))
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(p))
-        return next(iter(tensors.values()))
-    obj = torch.load(p, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict):
-        obj = next(iter(obj.values()))
-    if not isinstance(obj, torch.Tensor):
-        raise ValueError(f"{p} holds no tensor")
-    return obj
-
-
-def _build_model(args):
-    """-> (gpt, tokenizer, recommended cfg scale)."""
-    from .bundles import BUNDLES, DEFAULT_MODEL, load_model
-    from .loading import load_gpt, load_vq
-
-    if args.gpt_ckpt:
-        if args.model:
-            raise ValueError("give either --model or --gpt-ckpt, not both")
-        if not args.vq_ckpt:
-            raise ValueError("--gpt-ckpt needs --vq-ckpt to turn tokens into images")
-        gpt = load_gpt(args.gpt_ckpt, preset=args.gpt_preset, image_tokens=args.image_tokens,
-                       model_type=args.model_type)
-        return gpt, load_vq(args.vq_ckpt, preset=args.vq_preset), 4.0
-    name = args.model or DEFAULT_MODEL
-    gpt, tok = load_model(name)
-    return gpt, tok, BUNDLES[name].cfg_scale
+from .cliargs import add_model_args, build_model, int_list, load_features
 
 
 def cmd_generate(args) -> int:
     from .engine.generator import Generator
     from .tokenizers import save_grid, to_pil
 
-    gpt, tok, cfg_scale = _build_model(args)
+    gpt, tok, _, cfg_scale = build_model(args)
     cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
     cfg = gpt.config
     from .policies import get, parse_args
@@ -71,7 +26,7 @@ def cmd_generate(args) -> int:
     if cfg.model_type == "t2i":
         if not args.caption_features:
             raise ValueError("this is a text-conditional model: give --caption-features FILE (B, 120, 2048)")
-        conds = _load_features(args.caption_features)
+        conds = load_features(args.caption_features)
         n = args.num_images or conds.shape[0]
         conds = conds[torch.arange(n) % conds.shape[0]]
     else:
@@ -193,14 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate images")
-    g.add_argument("--model", help="bundle name (see `arsparse models`); default: the shipped default")
-    g.add_argument("--gpt-ckpt", help="GPT checkpoint (.pt/.pth/.safetensors), instead of --model")
-    g.add_argument("--gpt-preset", help="GPT size for --gpt-ckpt (inferred from the weights when omitted)")
-    g.add_argument("--image-tokens", type=int, help="tokens per image for --gpt-ckpt (256, 576, ...)")
-    g.add_argument("--model-type", choices=["c2i", "t2i"], help="checked against --gpt-ckpt")
-    g.add_argument("--vq-ckpt", help="VQ tokenizer checkpoint for --gpt-ckpt")
-    g.add_argument("--vq-preset", default="VQ-16", choices=["VQ-16", "VQ-8"])
-    g.add_argument("--classes", type=_int_list, help="class labels, e.g. 1,2,3 (cycled to --num-images)")
+    add_model_args(g)
+    g.add_argument("--classes", type=int_list, help="class labels, e.g. 1,2,3 (cycled to --num-images)")
     g.add_argument("--caption-features", help="t2i: file of T5 features (B, 120, 2048): .pt, .npy or .safetensors")
     g.add_argument("--num-images", type=int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
     g.add_argument("--batch-size", type=int, default=32)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from arsparse.models.config import GPT_PRESETS, GPTConfig, gpt_config
+from arsparse.models.config import GPTConfig, gpt_config
 from arsparse.models.gpt import GPT
 from arsparse.models.rope import apply_rope, rope_table
 from conftest import random_cond, random_gpt

@@ -5,16 +5,10 @@ import argparse
 import shlex
 import sys
 import time
-from pathlib import Path
+
+from ..cliargs import add_model_args, build_model, int_list, load_features
 
 __all__ = ["add_analyze_parser", "cmd_analyze", "parse_steps"]
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,3,5, got {text!r}") from None
 
 
 def _float_list(text: str) -> list[float]:
@@ -61,56 +55,17 @@ def parse_steps(text: str | None, n_steps: int) -> list[int] | None:
     return sorted(out)
 
 
-def _load_features(path: str):
-    """Caption features (B, P, C) from .pt / .npy / .safetensors (the first tensor)."""
-    import torch
-
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"caption-feature file not found: {p}")
-    if p.suffix == ".npy":
-        import numpy as np
-
-        return torch.from_numpy(np.load(p)).float()
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return next(iter(load_file(str(p)).values())).float()
-    obj = torch.load(p, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict):
-        obj = next(iter(obj.values()))
-    if not isinstance(obj, torch.Tensor):
-        raise ValueError(f"{p} holds no tensor")
-    return obj.float()
-
-
-def _build(args):
-    """-> (gpt, tokenizer or None, name, recommended cfg scale)."""
-    from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
-    from ..loading import load_gpt, load_vq
-
-    if args.gpt_ckpt:
-        if args.model:
-            raise ValueError("give either --model or --gpt-ckpt, not both")
-        gpt = load_gpt(args.gpt_ckpt, preset=args.gpt_preset, image_tokens=args.image_tokens, model_type=args.model_type)
-        tok = load_vq(args.vq_ckpt, preset=args.vq_preset) if args.vq_ckpt else None
-        return gpt, tok, Path(args.gpt_ckpt).name, 4.0
-    name = args.model or DEFAULT_MODEL
-    gpt, tok = load_model(name)
-    return gpt, tok, name, BUNDLES[name].cfg_scale
-
-
 def cmd_analyze(args) -> int:
     import torch
 
     from .metrics import MetricConfig
     from .report import DEFAULT_RHOS, analyze, write_report
 
-    gpt, tok, name, cfg_scale = _build(args)
+    gpt, tok, name, cfg_scale = build_model(args, need_tokenizer=False)
     cfg = gpt.config
     cond = None
     if cfg.model_type == "t2i" and args.caption_features:
-        feats = _load_features(args.caption_features)
+        feats = load_features(args.caption_features)
         cond = feats[torch.arange(args.num_images) % feats.shape[0]]
     if args.classes and cfg.model_type == "c2i":
         bad = [c for c in args.classes if not 0 <= c < cfg.num_classes]
@@ -143,22 +98,16 @@ def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
                     "generation of the model's own samples (decode); write DIR/report.md, DIR/stats.json and PNG "
                     "figures: prompt / sink / local / diagonal-band mass, keys needed for 90/95/99 %% of the mass, "
                     "policy recall, head classes.")
-    a.add_argument("--model", help="bundle name (see `arsparse models`); default: the shipped default")
-    a.add_argument("--gpt-ckpt", help="GPT checkpoint (.pt/.pth/.safetensors), instead of --model")
-    a.add_argument("--gpt-preset", help="GPT size for --gpt-ckpt (inferred from the weights when omitted)")
-    a.add_argument("--image-tokens", type=int, help="tokens per image for --gpt-ckpt (256, 576, ...)")
-    a.add_argument("--model-type", choices=["c2i", "t2i"], help="checked against --gpt-ckpt")
-    a.add_argument("--vq-ckpt", help="VQ tokenizer for --gpt-ckpt (optional: only images need it)")
-    a.add_argument("--vq-preset", default="VQ-16", choices=["VQ-16", "VQ-8"])
+    add_model_args(a, vq_help="VQ tokenizer for --gpt-ckpt (optional: only images need it)")
     a.add_argument("--out", required=True, help="output folder: report.md, stats.json, *.png")
     a.add_argument("--num-images", type=int, default=8, help="sequences per phase (default 8)")
-    a.add_argument("--classes", type=_int_list, help="c2i class labels, cycled (default 0, 1, 2, ...)")
+    a.add_argument("--classes", type=int_list, help="c2i class labels, cycled (default 0, 1, 2, ...)")
     a.add_argument("--caption-features", help="t2i: T5 features (B, 120, 2048) file; default the empty caption")
     a.add_argument("--decode-steps", default="all",
                    help="queries to record, as image indices of the query token (0..N-2; both phases): "
                         "all (default), 0:783:4, 100-200, 5,10")
-    a.add_argument("--layers", type=_int_list, help="layers to record (default all)")
-    a.add_argument("--heads", type=_int_list, help="heads to record (default all)")
+    a.add_argument("--layers", type=int_list, help="layers to record (default all)")
+    a.add_argument("--heads", type=int_list, help="heads to record (default all)")
     a.add_argument("--sinks", type=int, default=4, help="first image tokens counted as sinks (default 4)")
     a.add_argument("--local", type=int, default=16, help="local window, query included (default 16)")
     a.add_argument("--band-rows", type=int, default=4, help="diagonal bands k = 1..K rows back (default 4)")

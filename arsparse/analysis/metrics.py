@@ -461,7 +461,6 @@ def summarize(stats: AttentionStats) -> dict:
     out = dict(layout=dict(prefix_len=lay.prefix_len, grid_h=lay.grid_h, grid_w=lay.grid_w, row_stride=lay.row_stride),
                config=asdict(cfg), layers=stats.layers, heads=stats.heads, categories=list(CATEGORIES),
                read_sets={rs.name: rs.info for rs in stats.read_sets}, oracle_budgets=stats.oracle_budgets, phases={})
-    R, N = lay.grid_h, lay.image_tokens
     ci = {c: i for i, c in enumerate(CATEGORIES)}
     for phase in stats.phases:
         accs = [stats._acc.get((phase, li)) for li in stats.layers]

@@ -9,17 +9,9 @@ import argparse
 import shlex
 import sys
 
+from ..cliargs import positive_int
+
 __all__ = ["add_eval_parser", "cmd_eval", "parse_policy_args", "main"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def parse_policy_args(items: list[str]) -> dict[str, dict]:
@@ -100,17 +92,17 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--match-budget", action="store_true",
                    help="give every policy with a rho parameter (scored ones, streaming) the diagonal policy's "
                         "kept/dense, so all keep the same KV memory (an explicit NAME:rho=... wins)")
-    e.add_argument("--num-samples", type=_positive_int, default=1000, help="images generated per policy")
+    e.add_argument("--num-samples", type=positive_int, default=1000, help="images generated per policy")
     e.add_argument("--nll-images", type=int, default=256, help="held-out images for NLL, KL and top-1 (0 = skip)")
-    e.add_argument("--ref-images", type=_positive_int, default=10000,
+    e.add_argument("--ref-images", type=positive_int, default=10000,
                    help="held-out images in the Fréchet reference (capped by the data)")
     e.add_argument("--seed", type=int, default=0, help="image i uses seed+i under every policy")
     e.add_argument("--cfg-scale", type=float, default=None, help="guidance (default: the bundle's)")
     e.add_argument("--temperature", type=float, default=1.0)
     e.add_argument("--top-k", type=int, default=0)
     e.add_argument("--top-p", type=float, default=1.0)
-    e.add_argument("--batch-size", type=_positive_int, default=250, help="images per generation batch")
-    e.add_argument("--nll-batch", type=_positive_int, default=64, help="images per teacher-forced batch")
+    e.add_argument("--batch-size", type=positive_int, default=250, help="images per generation batch")
+    e.add_argument("--nll-batch", type=positive_int, default=64, help="images per teacher-forced batch")
     e.add_argument("--grid-images", type=int, default=40, help="images in each policy's grid")
     e.add_argument("--mobilenet-size", type=int, default=224, help="MobileNetV2 input size in pixels")
     e.add_argument("--mobilenet", default=None, metavar="PATH",

@@ -15,19 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..cliargs import positive_int
+
 __all__ = ["add_train_parser", "main"]
 
 _T0 = time.monotonic()  # process start, roughly: the time limit counts from here
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def _positive_float(text: str) -> float:
@@ -121,24 +113,24 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     m.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
                    help="stop with a checkpoint before this many seconds since start (e.g. 540 in a 10-minute slot)")
-    m.add_argument("--stop-after", type=_positive_int, metavar="STEPS", help="stop with a checkpoint after this many steps")
+    m.add_argument("--stop-after", type=positive_int, metavar="STEPS", help="stop with a checkpoint after this many steps")
     g = m.add_argument_group("model (defaults from the recipe)")
     g.add_argument("--preset", help="GPT size preset the overrides apply to")
-    g.add_argument("--dim", type=_positive_int)
-    g.add_argument("--layers", type=_positive_int)
-    g.add_argument("--heads", type=_positive_int)
-    g.add_argument("--levels", type=_positive_int, help="grey levels of the palette tokenizer = vocabulary (2..256)")
+    g.add_argument("--dim", type=positive_int)
+    g.add_argument("--layers", type=positive_int)
+    g.add_argument("--heads", type=positive_int)
+    g.add_argument("--levels", type=positive_int, help="grey levels of the palette tokenizer = vocabulary (2..256)")
     g = m.add_argument_group("optimisation (defaults from the recipe)")
-    g.add_argument("--steps", type=_positive_int)
-    g.add_argument("--batch-size", type=_positive_int)
+    g.add_argument("--steps", type=positive_int)
+    g.add_argument("--batch-size", type=positive_int)
     g.add_argument("--lr", type=_positive_float)
     g.add_argument("--warmup", type=int)
     g.add_argument("--seed", type=int)
     g.add_argument("--hflip", action="store_true", help="flip half of each batch left to right")
     g.add_argument("--compile", action="store_true", help="torch.compile the loss (off by default)")
-    g.add_argument("--ckpt-every", type=_positive_int)
-    g.add_argument("--eval-every", type=_positive_int)
-    g.add_argument("--eval-samples", type=_positive_int, help="validation images per evaluation (default: all)")
+    g.add_argument("--ckpt-every", type=positive_int)
+    g.add_argument("--eval-every", type=positive_int)
+    g.add_argument("--eval-samples", type=positive_int, help="validation images per evaluation (default: all)")
     m.add_argument("--data-root", help="folder holding the dataset's files (default: $ARSPARSE_DATA/<name>, "
                                        "then the system package's folder)")
     m.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
@@ -151,7 +143,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                     "as emoji) is not written yet; such datasets fail here with a clear error.")
     t.add_argument("--dataset", choices=names, default=names[0], help=ds_help)
     t.add_argument("--out", help="output folder (default: out/<recipe>)")
-    t.add_argument("--levels", type=_positive_int, help="grey levels of the palette tokenizer (2..256)")
+    t.add_argument("--levels", type=positive_int, help="grey levels of the palette tokenizer (2..256)")
     t.set_defaults(func=cmd_train_tokenizer)
     parser.epilog = "recipes: " + ", ".join(RECIPES)
 
