@@ -64,8 +64,9 @@ class RingKVCache(_PromptCache):
     so far, and the ring slots of ``pos - offset`` for the offsets of its (layer, head).
     """
 
-    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device):
+    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
         super().__init__(cfg, rows, dtype, device)
+        self.kernel = kernel
         layout = _layout(cfg)
         self.S = min(policy.sink_count(layout), layout.image_tokens - 1)
         self.W = policy.window(layout, cfg.n_layer, cfg.n_head)
@@ -91,6 +92,12 @@ class RingKVCache(_PromptCache):
         self.sk[layer].index_copy_(2, sink_slot, k)
         self.sv[layer].index_copy_(2, sink_slot, v)
 
+        if self.kernel == "triton":  # the read set computed in-kernel from the offsets table
+            from ..kernels.triton import ring_decode_attention
+
+            return ring_decode_attention(q[:, :, 0], self.pk[layer], self.pv[layer], self.sk[layer], self.sv[layer],
+                                         self.rk[layer], self.rv[layer], self.offsets[layer], self.pos,
+                                         self.S).unsqueeze(2)
         offs = self.offsets[layer]  # (H, n)
         kpos = self.pos - offs  # (H, n)
         ok = (offs >= 0) & (kpos >= self.P + self.S)

@@ -38,7 +38,7 @@ class OffsetPolicy(Policy):
     def make_cache(self, cfg, rows: int, dtype, device, kernel: str = "torch"):
         from .caches import RingKVCache
 
-        return RingKVCache(cfg, self, rows, dtype, device)
+        return RingKVCache(cfg, self, rows, dtype, device, kernel=kernel)
 
     def teacher_forced_logits(self, gpt, cond, tokens):
         """Attention restricted to each query's read set: what the ring cache computes, in one pass."""
