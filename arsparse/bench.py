@@ -17,8 +17,10 @@ from .models.gpt import GPT
 
 @dataclass
 class BenchRow:
+    policy: str
     kernel: str
     batch: int
+    max_batch: bool  # the batch was the largest the policy's cache allows
     rows: int  # sequences in the cache (2x batch with guidance)
     ms_per_step: float
     prefill_ms: float
@@ -67,8 +69,17 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
     return gpt.to(dtype)
 
 
-def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: list[str], cfg_scale: float = 4.0,
-                dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool = False) -> dict:
+def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
+          cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool = False,
+          memory_gb: float | None = None) -> dict:
+    """Time full generations (prefill + every decode step) for each policy x kernel x batch.
+
+    ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
+    default the free GPU memory). ``policies`` are ``name`` or ``name:key=value,key=value``.
+    """
+    from .engine.throughput import max_batch
+    from .policies import get, parse_args
+
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device")
@@ -77,65 +88,91 @@ def bench_dense(preset: str, image_tokens: int, batches: list[int], kernels: lis
     bw = copy_bandwidth(device)
     eb = torch.finfo(dtype).bits // 8
     wbytes = step_weight_bytes(cfg, eb)
-    P, N = cfg.cls_token_num, cfg.image_tokens
+    N = cfg.image_tokens
+    mem = None if memory_gb is None else int(memory_gb * 2**30)
     rows_out = []
-    for kernel in kernels:
-        gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile)
-        for B in tqdm(batches, desc=f"bench {kernel}", unit="batch"):
-            cond = torch.arange(B) % cfg.num_classes
+    for spec in policies:
+        name, _, argtext = spec.partition(":")
+        policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
+        budget = policy.prepare(gpt).budget(gpt.layout, cfg.n_layer, cfg.n_head)
+        for kernel in kernels:
+            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy)
+            for want in tqdm(batches, desc=f"bench {spec} {kernel}", unit="batch"):
+                gen._runner = None
+                torch.cuda.empty_cache()
+                B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
+                cond = torch.arange(B) % cfg.num_classes
+                torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, captures
+                setup_s = time.perf_counter() - t0
+                run.run(c, progress=False)  # warm-up pass
+                torch.cuda.synchronize()
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                with torch.no_grad():
+                    e[0].record()
+                    run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+                    e[1].record()
+                    for _ in range(N - 1):
+                        run.graph.replay() if run.graph is not None else run.decode_step()
+                    e[2].record()
+                torch.cuda.synchronize()
+                prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
+                total_s = (prefill_ms + decode_ms) / 1e3
+                R = run.cache.rows
+                kv_read = R * budget.read * cfg.kv_bytes_per_token(eb)  # mean over the decode steps
+                floor_ms = (wbytes + kv_read) / bw * 1e3
+                ms_step = decode_ms / (N - 1)
+                rows_out.append(BenchRow(
+                    policy=spec, kernel=kernel, batch=B, max_batch=want == "max", rows=R, ms_per_step=ms_step,
+                    prefill_ms=prefill_ms, images_per_s=B / total_s, tokens_per_s=B * N / total_s,
+                    peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
+                    kv_bytes_per_image=(R // run.plan.batch) * budget.kept * cfg.kv_bytes_per_token(eb),
+                    kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
+                    ratio_to_floor=ms_step / floor_ms, setup_s=setup_s))
+                del run, c
             gen._runner = None
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, compiles, captures
-            setup_s = time.perf_counter() - t0
-            run.run(c, progress=False)  # warm-up pass
-            torch.cuda.synchronize()
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            with torch.no_grad():
-                e[0].record()
-                run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
-                e[1].record()
-                for _ in range(N - 1):
-                    run.graph.replay() if run.graph is not None else run.decode_step()
-                e[2].record()
-            torch.cuda.synchronize()
-            prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
-            total_s = (prefill_ms + decode_ms) / 1e3
-            R = run.cache.rows
-            kv_read = R * (P + N / 2) * cfg.kv_bytes_per_token(eb)  # mean over decode steps of positions 0..pos
-            floor_ms = (wbytes + kv_read) / bw * 1e3
-            ms_step = decode_ms / (N - 1)
-            rows_out.append(BenchRow(
-                kernel=kernel, batch=B, rows=R, ms_per_step=ms_step, prefill_ms=prefill_ms,
-                images_per_s=B / total_s, tokens_per_s=B * N / total_s,
-                peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
-                kv_bytes_per_image=(R // B) * (P + N - 1) * cfg.kv_bytes_per_token(eb),
-                kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
-                ratio_to_floor=ms_step / floor_ms, setup_s=setup_s))
-            del run, c
-        gen._runner = None
+    rows = [asdict(r) for r in rows_out]
+    _add_ratios(rows)
     return dict(
         gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
         host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale, compile=compile,
-        copy_bandwidth_gb_s=bw / 1e9, rows=[asdict(r) for r in rows_out])
+        copy_bandwidth_gb_s=bw / 1e9, rows=rows)
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Speed-up over dense (same kernel) at the same batch, and max batch against dense's max batch."""
+    dense = [r for r in rows if r["policy"].split(":")[0] == "dense"]
+    for r in rows:
+        same = [d for d in dense if d["kernel"] == r["kernel"] and d["batch"] == r["batch"]]
+        r["x_dense_same_batch"] = r["images_per_s"] / same[0]["images_per_s"] if same else None
+        top = [d for d in dense if d["kernel"] == r["kernel"] and d["max_batch"]]
+        r["x_dense_max_batch"] = r["images_per_s"] / top[0]["images_per_s"] if top and r["max_batch"] else None
 
 
 def markdown_table(result: dict) -> str:
-    head = ("| kernel | batch | ms/step | floor ms/step | x floor | prefill ms | images/s | tokens/s | peak GB "
-            "| KV MB/image |\n|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    def x(v):
+        return "" if v is None else f"{v:.2f}"
+
+    lines = ["| policy | kernel | batch | ms/step | floor ms/step | x floor | images/s | x dense (same batch) "
+             "| x dense (max batch) | tokens/s | peak GB | KV MB/image | KV GB read/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['kernel']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
-                     f"{r['ratio_to_floor']:.2f} | {r['prefill_ms']:.1f} | {r['images_per_s']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['peak_mem_gb']:.1f} | {r['kv_bytes_per_image'] / 1e6:.1f} |")
+        batch = f"{r['batch']} (max)" if r["max_batch"] else str(r["batch"])
+        lines.append(f"| {r['policy']} | {r['kernel']} | {batch} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
+                     f"{r['ratio_to_floor']:.2f} | {r['images_per_s']:.1f} | {x(r['x_dense_same_batch'])} | "
+                     f"{x(r['x_dense_max_batch'])} | {r['tokens_per_s']:.0f} | {r['peak_mem_gb']:.1f} | "
+                     f"{r['kv_bytes_per_image'] / 1e6:.1f} | {r['kv_read_bytes_per_step'] / 1e9:.2f} |")
     return "\n".join(lines)
 
 
 def cmd_bench(args) -> int:
-    batches = [int(b) for b in args.batch.split(",")]
-    result = bench_dense(args.preset, args.image_tokens, batches, args.kernels.split(","),
-                         cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile)
+    try:
+        batches = [b if b == "max" else int(b) for b in args.batch.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
+    result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
+                   cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile, memory_gb=args.memory_gb)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -149,7 +186,10 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="time decoding on the GPU against the bandwidth floor")
     b.add_argument("--preset", default="GPT-XL")
     b.add_argument("--image-tokens", type=int, default=576)
-    b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes")
+    b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes, or max (throughput mode)")
+    b.add_argument("--policies", default="dense",
+                   help="semicolon-separated policies with optional args: 'dense;diagonal;h2o:rho=0.14'")
+    b.add_argument("--memory-gb", type=float, help="memory budget for --batch max (default: free GPU memory)")
     b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
     b.add_argument("--cfg-scale", type=float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")

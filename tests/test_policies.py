@@ -199,3 +199,37 @@ def test_ring_and_slot_caches_free_memory():
     slot = policies.get("h2o", rho=0.25).make_cache(cfg, 2, torch.float32, "cpu")
     assert ring < dense / 4
     assert slot.k.numel() * 2 * 4 < dense / 2
+
+
+def test_throughput_mode_turns_freed_memory_into_batch():
+    from arsparse.engine.throughput import cache_bytes_per_sequence, max_batch
+    from arsparse.models.config import gpt_config
+    from arsparse.models.gpt import GPT
+
+    with torch.device("meta"):
+        gpt = GPT(gpt_config("GPT-XL", image_tokens=576))
+    cfg = gpt.config
+    dense = cache_bytes_per_sequence(gpt)
+    assert dense == 2 * cfg.n_layer * cfg.kv_heads * cfg.seq_len * cfg.head_dim * 2  # K and V in bf16
+    diag = policies.get("diagonal")
+    ring = cache_bytes_per_sequence(gpt, diag)
+    kept = diag.budget(gpt.layout).kept
+    assert abs(ring / dense - kept / cfg.seq_len) < 0.02
+    mem = 120 << 30
+    b_dense, b_diag = max_batch(gpt, None, mem), max_batch(gpt, diag, mem)
+    assert 350 < b_dense < 700  # ~54 GB for 256 images, as measured on the H200
+    assert b_diag > 4 * b_dense
+    with pytest.raises(ValueError, match="do not fit even one image"):
+        max_batch(gpt, None, 1 << 30)
+
+
+def test_bench_ratios_against_dense():
+    from arsparse.bench import _add_ratios
+
+    rows = [dict(policy="dense", kernel="triton", batch=256, max_batch=False, images_per_s=30.0),
+            dict(policy="dense", kernel="triton", batch=500, max_batch=True, images_per_s=40.0),
+            dict(policy="diagonal:rows=2", kernel="triton", batch=256, max_batch=False, images_per_s=75.0),
+            dict(policy="diagonal:rows=2", kernel="triton", batch=4000, max_batch=True, images_per_s=200.0)]
+    _add_ratios(rows)
+    assert rows[2]["x_dense_same_batch"] == 2.5 and rows[2]["x_dense_max_batch"] is None
+    assert rows[3]["x_dense_max_batch"] == 5.0 and rows[3]["x_dense_same_batch"] is None

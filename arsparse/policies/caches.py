@@ -131,10 +131,11 @@ class SlotKVCache(_PromptCache):
         self.policy = policy
         self.layout = _layout(cfg)
         L, Hkv, D = cfg.n_layer, cfg.kv_heads, cfg.head_dim
-        self.cap = policy.head_capacity(self.layout, L, Hkv).to(device)  # (L, Hkv)
+        cap = policy.head_capacity(self.layout, L, Hkv)  # (L, Hkv), on the CPU
+        C = max(int(cap.max()), policy.max_capacity(self.layout, L, Hkv)) + 1
+        self.cap = cap.to(device)
         self.head_cap = self.cap[:, None, :].expand(L, rows, Hkv).clone()  # (L, rows, Hkv)
         self.stats = policy.head_stats(L, rows, Hkv, device)  # name -> (L, rows, Hkv, ...)
-        C = max(int(self.cap.max()), policy.max_capacity(self.layout, L, Hkv)) + 1
         self.k = torch.zeros(L, rows, Hkv, C, D, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.spos = torch.full((L, rows, Hkv, C), -1, dtype=torch.long, device=device)

@@ -1,0 +1,40 @@
+"""Throughput mode: the largest batch a policy's cache allows within a memory budget."""
+from __future__ import annotations
+
+import torch
+
+from ..models.gpt import GPT
+
+
+def cache_bytes_per_sequence(gpt: GPT, policy=None, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one sequence's cache takes under ``policy`` (built on the meta device: nothing is allocated)."""
+    from ..policies import get, resolve
+
+    pol = resolve(policy) or get("dense")
+    pol = pol.prepare(gpt)
+    return pol.make_cache(gpt.config, 1, dtype, torch.device("meta")).nbytes()
+
+
+def step_workspace_per_sequence(gpt: GPT) -> int:
+    """Transient bytes a decode step needs per sequence: fp32 logits and the sampling buffers (a few copies)."""
+    cfg = gpt.config
+    return 8 * cfg.vocab_size * 4 + 16 * max(cfg.dim, cfg.ffn_hidden) * 4
+
+
+def max_batch(gpt: GPT, policy=None, memory_bytes: int | None = None, guidance: bool = True,
+              dtype: torch.dtype = torch.bfloat16, reserve_bytes: int = 2 << 30) -> int:
+    """Images that fit: (memory - weights - reserve) / (sequences per image x (cache + workspace)).
+
+    ``memory_bytes`` defaults to the free memory of the current CUDA device.
+    """
+    if memory_bytes is None:
+        if not torch.cuda.is_available():
+            raise ValueError("memory_bytes is needed without a CUDA device")
+        memory_bytes = torch.cuda.mem_get_info()[0]
+    weights = sum(p.numel() for p in gpt.parameters()) * torch.finfo(dtype).bits // 8
+    per_image = (2 if guidance else 1) * (cache_bytes_per_sequence(gpt, policy, dtype) + step_workspace_per_sequence(gpt))
+    free = memory_bytes - weights - reserve_bytes
+    if free < per_image:
+        raise ValueError(f"{memory_bytes / 2**30:.1f} GiB do not fit even one image: weights take "
+                         f"{weights / 2**30:.2f} GiB and one image needs {per_image / 2**20:.1f} MiB")
+    return int(free // per_image)
