@@ -77,3 +77,11 @@ def need_int(policy: str, name: str, value, lo: int, hi: int | None = None, what
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise PolicyError(f"{policy}: {name} must be an integer {rng}{what}, got {value!r}")
+
+
+def need_rho(policy: str, rho, optional: bool = False) -> None:
+    """rho = kept / dense entries, in (0, 1] (None allowed when ``optional``)."""
+    if optional and rho is None:
+        return
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1:
+        raise PolicyError(f"{policy}: rho (kept / dense entries) must be in (0, 1], got {rho!r}")

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..layout import Layout
-from .base import Budget, PolicyError, dense_entries, need_int
+from .base import Budget, PolicyError, dense_entries, need_int, need_rho
 from .calibration import allocate, choose_offsets, classify, locality, offset_mass, sample_prefix
 from .offset import OffsetPolicy
-from .scored import ScoredPolicy, _check_rho, _recent
+from .scored import ScoredPolicy, _recent
 
 
 def _need_float(policy: str, name: str, value, lo: float, hi: float | None, lo_open: bool, hi_open: bool,
@@ -104,7 +104,7 @@ class _HeadTypedPolicy(ScoredPolicy):
     large_max: float = 1.5
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
         need_int(self.name, "calib_rows", self.calib_rows, 2,
                  what=" (image rows used to type the heads; the first row alone says nothing)")
         _need_float(self.name, "threshold", self.threshold, 0, 1, True, True, " (mean locality above which a head is local)")
@@ -302,7 +302,7 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
     table: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
         _need_float(self.name, "read", self.read, 0, 1, True, False, " (share of the window each head reads)")
         need_int(self.name, "calib_rows", self.calib_rows, 1, what=" (image rows decoded for calibration)")
         need_int(self.name, "calib_samples", self.calib_samples, 1, what=" (conditions decoded for calibration)")

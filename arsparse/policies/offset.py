@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import Layout
-from .base import Budget, Policy, PolicyError, dense_entries, need_int
+from .base import Budget, Policy, PolicyError, dense_entries, need_int, need_rho
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,6 @@ class OffsetPolicy(Policy):
         return Budget(read=sum(reads) / len(reads), kept=min(kept, dense_entries(layout)), dense=dense_entries(layout))
 
 
-def _rho_arg(policy: str, rho) -> None:
-    if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1):
-        raise PolicyError(f"{policy}: rho (kept / dense entries) must be in (0, 1], got {rho!r}")
-
-
 @dataclass(frozen=True)
 class StreamingPolicy(OffsetPolicy):
     """StreamingLLM: attention sinks plus a window of the most recent tokens.
@@ -120,7 +115,7 @@ class StreamingPolicy(OffsetPolicy):
     def __post_init__(self):
         need_int(self.name, "sinks", self.sinks, 0)
         need_int(self.name, "recent", self.recent, 1)
-        _rho_arg(self.name, self.rho)
+        need_rho(self.name, self.rho, optional=True)
 
     def sink_count(self, layout):
         return self.sinks
@@ -169,7 +164,7 @@ class DiagonalPolicy(OffsetPolicy):
         need_int(self.name, "rows", self.rows, 0)
         need_int(self.name, "band", self.band, 0)
         need_int(self.name, "sinks", self.sinks, 0)
-        _rho_arg(self.name, self.rho)
+        need_rho(self.name, self.rho, optional=True)
 
     def n_rows(self, layout: Layout) -> int:
         if self.rho is None:

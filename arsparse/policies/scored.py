@@ -20,12 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import Layout
-from .base import Budget, Policy, PolicyError, dense_entries, need_int
-
-
-def _check_rho(name: str, rho) -> None:
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1:
-        raise PolicyError(f"{name}: rho (kept / dense entries) must be in (0, 1], got {rho!r}")
+from .base import Budget, Policy, PolicyError, dense_entries, need_int, need_rho
 
 
 @dataclass(frozen=True)
@@ -142,7 +137,7 @@ class H2OPolicy(ScoredPolicy):
     recent: float = 0.5
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
         if not 0 <= self.recent < 1:
             raise PolicyError(f"{self.name}: recent (share of the budget for the recent window) must be in [0, 1), "
                               f"got {self.recent!r}")
@@ -169,7 +164,7 @@ class TOVAPolicy(ScoredPolicy):
     rho: float = 0.125
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
 
     def update(self, score, weights, pos, q, layout):
         return weights.mean(dim=1, keepdim=True).expand_as(weights)  # (B, Hkv, C): mean over heads
@@ -192,7 +187,7 @@ class ADSAPolicy(ScoredPolicy):
     decay: float = 0.9
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
         need_int(self.name, "local", self.local, 1)
         if not 0 <= self.decay <= 1:
             raise PolicyError(f"{self.name}: decay must be in [0, 1], got {self.decay!r}")
@@ -223,7 +218,7 @@ class LinesPolicy(ScoredPolicy):
     anchors: int = 4
 
     def __post_init__(self):
-        _check_rho(self.name, self.rho)
+        need_rho(self.name, self.rho)
         need_int(self.name, "recent_rows", self.recent_rows, 1)
         need_int(self.name, "anchors", self.anchors, 0)
 
