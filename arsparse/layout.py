@@ -33,20 +33,5 @@ class Layout:
     def image_tokens(self) -> int:
         return self.grid_h * self.grid_w
 
-    @property
-    def total_len(self) -> int:
-        """Sequence length holding the prefix and every image position (end-of-line tokens included)."""
-        return self.prefix_len + self.grid_h * self.row_stride
-
     def position(self, row: int, col: int) -> int:
         return self.prefix_len + row * self.row_stride + col
-
-    def cell(self, pos: int) -> tuple[int, int] | None:
-        """(row, col) of a sequence position, or None for prompt and end-of-line positions."""
-        i = pos - self.prefix_len
-        if i < 0:
-            return None
-        r, c = divmod(i, self.row_stride)
-        if r >= self.grid_h or c >= self.grid_w:
-            return None
-        return r, c

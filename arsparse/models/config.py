@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 # LlamaGen's sizes (class-conditional B..XXXL, text-conditional 1B..7B).
 GPT_PRESETS: dict[str, dict] = {
@@ -89,10 +89,6 @@ class GPTConfig:
         return self.grid_h * self.grid_w
 
     @property
-    def prefix_len(self) -> int:
-        return self.cls_token_num
-
-    @property
     def seq_len(self) -> int:
         """Positions the model ever sees as input: the prefix plus N - 1 image tokens."""
         return self.cls_token_num + self.image_tokens - 1
@@ -121,9 +117,6 @@ class GPTConfig:
         else:
             cond = self.caption_dim * d + d * d
         return self.n_layer * per_layer + 2 * self.vocab_size * d + d + cond
-
-    def replace(self, **kw) -> "GPTConfig":
-        return replace(self, **kw)
 
 
 def grid_for(image_tokens: int) -> tuple[int, int]:

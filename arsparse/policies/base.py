@@ -29,10 +29,6 @@ class Budget:
         """Kept entries over dense: the memory ratio policies are matched on."""
         return self.kept / self.dense
 
-    @property
-    def read_ratio(self) -> float:
-        return self.read / self.dense
-
 
 @dataclass(frozen=True)
 class Policy:
