@@ -173,12 +173,23 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile, memory_gb=args.memory_gb)
+    if args.llamagen_src:
+        from .reference_sampler import time_llamagen
+
+        result["reference"] = [time_llamagen(args.llamagen_src, args.preset, args.image_tokens, b,
+                                             cfg_scale=1.0 if args.no_cfg else args.cfg_scale)
+                               for b in batches if b != "max"]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
           f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s")
     print(markdown_table(result))
+    for ref in result.get("reference", []):
+        ours = {r["policy"]: r["images_per_s"] for r in result["rows"] if r["batch"] == ref["batch"]}
+        vs = ", ".join(f"{p} {v / ref['images_per_s']:.1f}x" for p, v in ours.items())
+        print(f"LlamaGen public sampler, batch {ref['batch']}: {ref['images_per_s']:.2f} images/s "
+              f"({ref['ms_per_step']:.2f} ms/step); arsparse: {vs}")
     return 0
 
 
@@ -194,5 +205,6 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cfg-scale", type=float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
     b.add_argument("--compile", action="store_true", help="torch.compile the step before capture (slow to build)")
+    b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)
