@@ -7,17 +7,17 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
+R576=0.1424  # diagonal's default keeps 82 of 576 positions (prompt + sinks + ring)
+R1024=0.1035  # 106 of 1024
 if [ "$1" = a ]; then
-timeout 170 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py 2>&1 | tail -15
-R=0.1424  # diagonal's default keeps 82 of 576 positions (prompt + sinks + ring)
-B 260 --image-tokens 576 --batch 256,max --policies "dense;diagonal;streaming:rho=$R" --llamagen-src .llamagen \
+timeout 100 python3 -m pytest -q tests/test_cuda.py 2>&1 | tail -3
+B 200 --image-tokens 576 --batch 256,max --policies "dense;diagonal;streaming:rho=$R576" --llamagen-src .llamagen \
     --out $OUT/bench576.json
-B 60 --image-tokens 576 --batch 1 --policies "dense;diagonal" --out $OUT/bench576_b1.json
-else
-R=0.1424
-B 200 --image-tokens 576 --batch 256 --policies "lines:rho=$R;h2o:rho=$R;tova:rho=$R;headkv:rho=$R" \
+B 80 --image-tokens 576 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench576_b1.json
+B 80 --image-tokens 4096 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench4096_b1.json
+B 130 --image-tokens 576 --batch 256 --policies "lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" \
     --out $OUT/bench576_scored.json
-R=0.1035  # 106 of 1024
-B 150 --image-tokens 1024 --batch max --policies "dense;diagonal;streaming:rho=$R" --out $OUT/bench1024.json
-B 120 --image-tokens 4096 --batch 1 --policies "dense;diagonal" --out $OUT/bench4096_b1.json
+else
+B 200 --image-tokens 1024 --batch max --policies "dense;diagonal;streaming:rho=$R1024" --out $OUT/bench1024.json
+B 150 --image-tokens 576 --batch 256 --compile --policies "dense;diagonal" --out $OUT/bench576_compiled.json
 fi
