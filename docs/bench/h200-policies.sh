@@ -18,6 +18,16 @@ B 80 --image-tokens 4096 --batch 1 --compile --policies "dense;diagonal" --out $
 B 130 --image-tokens 576 --batch 256 --policies "lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" \
     --out $OUT/bench576_scored.json
 else
-B 200 --image-tokens 1024 --batch max --policies "dense;diagonal;streaming:rho=$R1024" --out $OUT/bench1024.json
-B 150 --image-tokens 576 --batch 256 --compile --policies "dense;diagonal" --out $OUT/bench576_compiled.json
+timeout 60 python3 -m pytest -q tests/test_cuda.py -k "slot_kernel or scored_policy_triton" 2>&1 | tail -2
+timeout 90 python3 -c "
+import json, torch
+from arsparse.reference_sampler import time_llamagen
+r = time_llamagen('.llamagen', 'GPT-XL', 576, 256, cfg_scale=4.0)
+print(r); json.dump(dict(r, gpu=torch.cuda.get_device_name(), torch=torch.__version__), open('$OUT/llamagen576.json', 'w'))
+" 2>&1 | grep -v Warn
+B 100 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --out $OUT/bench576_compiled.json
+B 80 --image-tokens 576 --batch 256 --profile --policies "lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" \
+    --out $OUT/bench576_scored.json
+B 70 --image-tokens 4096 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench4096_b1.json
+B 170 --image-tokens 1024 --batch max --policies "dense;diagonal;streaming:rho=$R1024" --out $OUT/bench1024.json
 fi
