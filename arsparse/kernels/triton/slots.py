@@ -8,6 +8,9 @@ from ._slots import slots_combine_kernel, slots_split_kernel
 from .decode import BLOCK_N, choose_splits
 
 BLOCK_C = 64  # slots per block of the weights pass
+#: Launch options of the two passes (chosen by a sweep on an H200, see BENCHMARKS.md).
+SPLIT_LAUNCH = dict(num_warps=4, num_stages=3)
+COMBINE_LAUNCH = dict(num_warps=4)
 
 
 def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, slot_k: torch.Tensor,
@@ -80,13 +83,13 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
         logits.stride(0), logits.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         m_part.stride(0), m_part.stride(1),
         P, C, chunk, D**-0.5 if scale is None else scale, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, **SPLIT_LAUNCH,
     )
     slots_combine_kernel[(B, Hkv)](
         o_part, m_part, l_part, logits, out, weights,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         logits.stride(0), logits.stride(1), out.stride(0), out.stride(1), weights.stride(0), weights.stride(1),
         splits, C, D,
-        G=G, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=BLOCK_C, BLOCK_D=block_d,
+        G=G, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=BLOCK_C, BLOCK_D=block_d, **COMBINE_LAUNCH,
     )
     return out, weights
