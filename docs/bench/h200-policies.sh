@@ -1,6 +1,6 @@
 #!/bin/bash
 # The policy benchmarks of BENCHMARKS.md, run from the repo root on the device machine (H200):
-#   bash docs/bench/h200-policies.sh a|b   (two device calls; .llamagen = a LlamaGen checkout, carried)
+#   bash docs/bench/h200-policies.sh a|b|c   (device calls; c = after the kernel sweep; .llamagen = a LlamaGen checkout, carried)
 # Each part has its own time limit; JSON under $OUT.
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -17,6 +17,11 @@ B 80 --image-tokens 576 --batch 1 --compile --policies "dense;diagonal" --out $O
 B 80 --image-tokens 4096 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench4096_b1.json
 B 130 --image-tokens 576 --batch 256 --policies "lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" \
     --out $OUT/bench576_scored.json
+elif [ "$1" = c ]; then
+B 130 --image-tokens 576 --batch 256 --compile --policies "dense;diagonal;lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" \
+    --out $OUT/bench576_compiled.json
+B 100 --image-tokens 4096 --batch 1 --compile --policies "diagonal;dense" --out $OUT/bench4096_b1.json
+B 200 --image-tokens 1024 --batch max --policies "dense;diagonal" --out $OUT/bench1024.json
 else
 timeout 60 python3 -m pytest -q tests/test_cuda.py -k "slot_kernel or scored_policy_triton" 2>&1 | tail -2
 timeout 90 python3 -c "

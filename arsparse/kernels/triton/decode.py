@@ -6,9 +6,9 @@ import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 
-BLOCK_N = 64
+BLOCK_N = 128
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
-SPLIT_LAUNCH = dict(num_warps=4, num_stages=3)
+SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:

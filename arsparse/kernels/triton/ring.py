@@ -7,7 +7,7 @@ import triton
 from ._ring import ring_decode_kernel
 
 #: Launch options (chosen by a sweep on an H200, see BENCHMARKS.md).
-LAUNCH = dict(num_warps=4)
+LAUNCH = dict(num_warps=2)
 
 
 def ring_decode_attention(q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,

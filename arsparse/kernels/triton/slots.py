@@ -5,11 +5,12 @@ import torch
 import triton
 
 from ._slots import slots_combine_kernel, slots_split_kernel
-from .decode import BLOCK_N, choose_splits
+from .decode import choose_splits
 
+BLOCK_N = 64  # slots per block of the split pass
 BLOCK_C = 64  # slots per block of the weights pass
 #: Launch options of the two passes (chosen by a sweep on an H200, see BENCHMARKS.md).
-SPLIT_LAUNCH = dict(num_warps=4, num_stages=3)
+SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 COMBINE_LAUNCH = dict(num_warps=4)
 
 
