@@ -233,3 +233,13 @@ def test_bench_ratios_against_dense():
     _add_ratios(rows)
     assert rows[2]["x_dense_same_batch"] == 2.5 and rows[2]["x_dense_max_batch"] is None
     assert rows[3]["x_dense_max_batch"] == 5.0 and rows[3]["x_dense_same_batch"] is None
+
+
+@pytest.mark.parametrize("spec", ["diagonal", "diagonal:sinks=0,local=3", "streaming:recent=9,sinks=2"])
+def test_offset_budget_read_is_the_mean_read_set(spec):
+    """Budget.read (counted from the offsets table) == the mean length of read_positions over decode queries."""
+    name, _, args = spec.partition(":")
+    pol = policies.get(name, **policies.parse_args([a for a in args.split(",") if a]))
+    lay = Layout(3, 7, 9)
+    want = [len(pol.read_positions(lay, q)) for q in range(3, 3 + lay.image_tokens - 1)]
+    assert pol.budget(lay).read == pytest.approx(sum(want) / len(want), rel=1e-12)

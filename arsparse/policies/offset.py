@@ -93,10 +93,14 @@ class OffsetPolicy(Policy):
         self.check(layout)
         P, N = layout.prefix_len, layout.image_tokens
         S = min(self.sink_count(layout), N - 1)
-        reads = [len(self.read_positions(layout, q, li, h, n_layer, n_head))
-                 for q in range(P, P + N - 1) for li in range(n_layer) for h in range(n_head)]
+        # Mean over decode queries and heads of read_positions' length, counted per distinct offsets row.
+        rows, count = self.offset_table(layout, n_layer, n_head).flatten(0, 1).unique(dim=0, return_counts=True)
+        q = torch.arange(P, P + N - 1)[:, None, None]  # (T, 1, 1)
+        ring = ((rows >= 0) & (q - rows >= P + S)).sum(-1)  # (T, rows): offsets past the sinks
+        reads = (ring + torch.clamp(q[:, :, 0] + 1, max=P + S)).double()  # (T, rows)
+        read = float((reads * count).sum() / (count.sum() * reads.shape[0]))
         kept = P + S + self.window(layout, n_layer, n_head)
-        return Budget(read=sum(reads) / len(reads), kept=min(kept, dense_entries(layout)), dense=dense_entries(layout))
+        return Budget(read=read, kept=min(kept, dense_entries(layout)), dense=dense_entries(layout))
 
 
 @dataclass(frozen=True)
