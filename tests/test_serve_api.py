@@ -1,5 +1,4 @@
 """The HTTP API on a tiny model: round trip, every kind of bad input, the OpenAPI fuzz, the page, the CLI."""
-import json
 import os
 import shutil
 import socket

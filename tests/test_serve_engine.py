@@ -75,6 +75,23 @@ def test_requests_joining_mid_flight_get_the_offline_tokens(model_type, policy):
     assert not torch.equal(_offline(gen, other), _offline(gen, dict(other, seed=reqs[0]["seed"])))
 
 
+def test_graph_shapes_give_the_same_tokens_and_capture_failure_falls_back(caplog):
+    """With CUDA graphs on, steps run at bucketed shapes (more slots, a larger top-k bound); where
+    capture fails (here: no CUDA), the plan runs eagerly for good, with the same tokens."""
+    model = random_gpt("c2i", image_tokens=64, seed=6)
+    gen = Generator(model, device="cpu")
+    dec = SlotDecoder(gen, slots=8, guidance=True)
+    dec.cuda_graphs = True  # what the constructor sets on CUDA
+    reqs = _requests(model, 5, seed=9)
+    results, joined = _serve(dec, reqs, [0, 2, 3, 40, 41])
+    assert joined >= 2
+    for i, r in enumerate(reqs):
+        assert torch.equal(results[i], _offline(gen, r)), f"request {i}"
+    plans = set(dec._graphs)
+    assert {w for w, _, _ in plans} <= {1, 2, 4, 8} and (8, 8, True) in plans  # buckets: top_k 5 -> bound 8
+    assert all(g is None for g in dec._graphs.values()) and "capture failed" in caplog.text
+
+
 def test_row_caches_for_each_policy_kind():
     cfg = random_gpt("c2i").config
     assert isinstance(make_row_cache(None, cfg, 2, torch.float32, "cpu"), RowDenseKVCache)
@@ -107,3 +124,21 @@ def test_decoder_rejects_misuse():
         dec.admit([0], torch.tensor([1]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
     with pytest.raises(ValueError, match="class labels must be in"):
         dec.admit([1], torch.tensor([99]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", [None, "diagonal"])
+def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy):
+    model = random_gpt("c2i", image_tokens=64, seed=7)
+    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    gen = Generator(model, device="cuda", dtype="bf16", policy=pol)
+    reqs = _requests(model, 6, seed=11)
+    arrivals = [0, 1, 2, 20, 21, 50]
+    graphed = SlotDecoder(gen, slots=8, guidance=True, cuda_graphs=True)
+    got, _ = _serve(graphed, reqs, arrivals)
+    assert any(g is not None for g in graphed._graphs.values())  # steps were replayed from graphs
+    eager = SlotDecoder(gen, slots=8, guidance=True, cuda_graphs=True)
+    eager._graph_for = lambda plan: None  # the same bucketed shapes, run eagerly
+    want, _ = _serve(eager, reqs, arrivals)
+    for i in range(len(reqs)):
+        assert torch.equal(got[i], want[i]), f"request {i}"

@@ -193,3 +193,15 @@ def test_policy_pool_closes_idle_policies_and_refuses_when_all_are_busy():
         assert r.status_code == 429 and "at most 2 policies" in r.json()["detail"] and "retry-after" in r.headers
         gate.set()
     pool.close()
+
+
+def test_serve_bench_reports_throughput_latency_and_batch():
+    from arsparse.serve.loadgen import serve_bench
+
+    gpt, tok = tiny_model(seed=11)
+    app = make_app(gpt, tok, max_batch=8)
+    out = serve_bench(app, "tiny", requests=24, concurrency=8, n=2, warmup=4, num_classes=7)
+    assert out["failures"] == 0 and out["requests"] == 24 and out["images_per_request"] == 2
+    assert out["requests_per_s"] > 0 and out["images_per_s"] == pytest.approx(2 * out["requests_per_s"])
+    assert 0 < out["latency_p50_s"] <= out["latency_p99_s"]
+    assert out["mode"] == "continuous" and 4 <= out["max_running_images"] <= out["slots"] == 8

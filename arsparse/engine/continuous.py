@@ -14,6 +14,8 @@ per-step state that assumes one shared position; they are served in cohorts inst
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +24,10 @@ from ..policies.base import PolicyError
 from ..policies.caches import RingKVCache, _attend_gathered
 from ..policies.offset import OffsetPolicy
 from .cache import DenseKVCache
+from .generator import bucket
 from .sampling import guide, sample
+
+log = logging.getLogger(__name__)
 
 
 def supports_continuous(policy) -> bool:
@@ -130,9 +135,12 @@ class SlotDecoder:
         Images in flight at most.
     guidance : bool
         Two cache rows per slot (needs a model with a null condition).
+    cuda_graphs : bool
+        Replay each step shape (slots bucket, top-k bound, top-p on/off) from a CUDA graph once it
+        has run twice (CUDA only; off: every step runs eagerly).
     """
 
-    def __init__(self, gen, slots: int, guidance: bool):
+    def __init__(self, gen, slots: int, guidance: bool, cuda_graphs: bool = False):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         cfg = gen.config
@@ -154,6 +162,10 @@ class SlotDecoder:
         self.cfg_on = torch.zeros(slots, dtype=torch.bool, **z)
         self.cfg_interval = torch.full((slots,), -1, dtype=torch.long, **z)
         self._prompt_pos = torch.arange(self.P, **z)
+        self.cuda_graphs = cuda_graphs and torch.device(dev).type == "cuda"
+        self._graphs: dict[tuple, object] = {}
+        self._seen: dict[tuple, int] = {}
+        self._graph_pool = None
         # Host mirrors: no device sync is needed to schedule.
         self.sampled = [0] * slots  # tokens sampled so far; 0 = free
         self._k = [0] * slots
@@ -187,19 +199,24 @@ class SlotDecoder:
             self.sampled[s], self._k[s], self._p[s] = 0, 0, False
 
     # ---- the two device phases ------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, idx) -> torch.Tensor:
-        """logits (G * k, V), rows interleaved per slot -> (k,) tokens for the slots ``idx``."""
+    def _filters(self, slots) -> tuple[int, bool]:
+        """(top-k bound, top-p on) over ``slots``: what fixes the shape of the sampling ops."""
+        return min(max((self._k[s] for s in slots), default=0), self.V), any(self._p[s] for s in slots)
+
+    def _sample(self, logits: torch.Tensor, idx, kmax: int, use_top_p: bool) -> torch.Tensor:
+        """logits (G * k, V), rows interleaved per slot -> (k,) tokens for the slots ``idx``.
+
+        ``kmax`` >= every top_k among them (any such bound gives the same tokens); ``use_top_p``
+        when any of them filters by top-p (top_p = inf is off for the others).
+        """
         step = self.step_idx[idx]
         if self.G == 2:
             lg = logits.view(-1, 2, logits.shape[-1])  # (k, 2, V): condition, unconditional
             interval = self.cfg_interval[idx]
             active = self.cfg_on[idx] & ((interval < 0) | (step <= interval + 1))
             logits = guide(torch.cat([lg[:, 0], lg[:, 1]]), self.cfg_scale[idx], active)
-        slots = range(self.slots)[idx] if isinstance(idx, slice) else idx.tolist()
-        kmax = min(max((self._k[s] for s in slots), default=0), self.V)
-        top_p = self.top_p[idx] if any(self._p[s] for s in slots) else None
         return sample(logits, self.keys[idx], step, self.temperature[idx], self.top_k[idx] if kmax else None,
-                      top_p, kmax)
+                      self.top_p[idx] if use_top_p else None, kmax)
 
     @torch.no_grad()
     def admit(self, slots: list[int], cond: torch.Tensor, keys: list[int], rows: dict[str, list]) -> None:
@@ -240,7 +257,7 @@ class SlotDecoder:
             hidden = gpt.forward_hidden(gpt.embed_cond(cond), self._prompt_pos, cache)  # (G * k, P, dim)
         finally:
             cache.phase = "decode"
-        tok = self._sample(gpt.head(hidden[:, -1]), idx)
+        tok = self._sample(gpt.head(hidden[:, -1]), idx, *self._filters(slots))
         self.cur[idx] = tok
         self.out[idx, 0] = tok
         self.step_idx[idx] = 1
@@ -254,6 +271,24 @@ class SlotDecoder:
         live = [s for s in range(w) if 0 < self.sampled[s] < self.N]
         if not live:
             return 0
+        kmax, use_top_p = self._filters(range(w))
+        if self.cuda_graphs:
+            # Shapes from buckets, so that few graphs serve every mix: any bound >= the largest top_k
+            # samples the same tokens, and slots past the busy ones are idle.
+            plan = (min(bucket(w), self.slots), min(bucket(kmax), self.V) if kmax else 0, use_top_p)
+            graph = self._graph_for(plan)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step_device(*plan)
+        else:
+            self._step_device(w, kmax, use_top_p)
+        for s in live:
+            self.sampled[s] += 1
+        return len(live)
+
+    def _step_device(self, w: int, kmax: int, use_top_p: bool) -> None:
+        """The device side of a step over slots 0..w-1: no host syncs, static shapes (capturable)."""
         gpt, cache, G = self.gpt, self.cache, self.G
         step = self.step_idx[:w]  # (w,)
         running = step < self.N
@@ -261,11 +296,28 @@ class SlotDecoder:
         cache.pos[: G * w] = pos.repeat_interleave(G)
         h = gpt.tok_embeddings(self.cur[:w].repeat_interleave(G)[:, None])  # (G * w, 1, dim)
         hidden = gpt.forward_hidden(h, cache.pos[: G * w, None], cache)
-        tok = self._sample(gpt.head(hidden[:, 0]), slice(0, w))
+        tok = self._sample(gpt.head(hidden[:, 0]), slice(0, w), kmax, use_top_p)
         col = torch.where(running, step, self.N)  # idle slots write the scratch column
         self.out[:w].scatter_(1, col[:, None], tok[:, None])
         self.cur[:w] = tok
         self.step_idx[:w] += running
-        for s in live:
-            self.sampled[s] += 1
-        return len(live)
+
+    def _graph_for(self, plan):
+        """The CUDA graph of ``plan``, captured the third time the plan runs (the first two run eagerly,
+        which initialises everything the step touches; capturing records without running, so the
+        busy slots are not disturbed). None while eager, or if capture failed (then always eager)."""
+        if plan in self._graphs:
+            return self._graphs[plan]
+        self._seen[plan] = self._seen.get(plan, 0) + 1
+        if self._seen[plan] <= 2:
+            return None
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._step_device(*plan)
+            self._graph_pool = graph.pool()
+        except Exception:  # keep serving, eagerly
+            log.warning("CUDA graph capture failed for plan %s; running it eagerly", plan, exc_info=True)
+            graph = None
+        self._graphs[plan] = graph
+        return graph

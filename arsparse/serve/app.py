@@ -23,7 +23,8 @@ from ..engine.generator import row_keys, sampling_rows
 from ..tokenizers import make_grid, to_pil
 from .config import ServeConfig
 from .metrics import CONTENT_TYPE, ServeMetrics
-from .scheduler import Job, SchedulerPool, ServeError
+from .pool import SchedulerPool
+from .scheduler import Job, ServeError
 from .schemas import (ErrorResponse, GenerateResponse, HealthResponse, ModelInfo, ModelsResponse, PoliciesResponse,
                       PolicyInfo, generate_request_model)
 

@@ -15,7 +15,9 @@ class ServeConfig:
     answers 429. ``max_images``: images per request. ``timeout_s``: a request's deadline unless it
     asks for another (at most ``max_timeout_s``). ``max_policies``: policies (name + parameters)
     with a live slot pool at once; an idle one is closed to make room for a new one.
-    ``poll_s``: how often a waiting request checks whether its client went away.
+    ``poll_s``: how often a waiting request checks whether its client went away. ``cuda_graphs``:
+    replay continuous-batching steps from CUDA graphs (CUDA only; one per step shape, captured on
+    first use).
     """
 
     max_batch: int = 32
@@ -26,6 +28,7 @@ class ServeConfig:
     max_timeout_s: float = 600.0
     max_policies: int = 2
     poll_s: float = 0.05
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_images", "max_policies"):

@@ -91,6 +91,7 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
     def bodies(count: int, offset: int) -> list[dict]:
         return [dict(class_label=(offset + i) % num_classes, n=n, seed=offset + i, **extra) for i in range(count)]
 
+    gen = app.state.pool.default.gen
     with ServerThread(app) as srv:
         asyncio.run(drive(srv.url, bodies(warmup, 10**6), concurrency))
         t0 = time.perf_counter()
@@ -99,8 +100,7 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
         stats = httpx.get(srv.url + "/health").json()["policies"][0]
     ok = [r for r in records if r["status"] == 200]
     lat = [r["latency_s"] for r in ok]
-    tokens = app.state.pool.default.gen.config.image_tokens
-    gen = app.state.pool.default.gen
+    tokens = gen.config.image_tokens
     return dict(
         model=model, policy=stats["policy"], mode=stats["mode"], device=str(gen.device), dtype=str(gen.dtype),
         gpu=torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else None, torch=torch.__version__,
