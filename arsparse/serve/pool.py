@@ -45,8 +45,9 @@ class SchedulerPool:
             self._live[self.default_key] = self._create(get(policy, **self.default_args))
 
     @staticmethod
-    def _key(name: str, args: dict) -> tuple:
-        return name, tuple(sorted(get(name, **args).params().items(), key=lambda kv: kv[0]))
+    def _key(name: str, args: dict) -> tuple[str, str]:
+        """(name, all parameters): the same policy however its arguments were spelled."""
+        return name, repr(sorted(get(name, **args).params().items(), key=lambda kv: kv[0]))
 
     def resolve(self, name: str | None, args: dict | None) -> tuple[tuple, dict]:
         """-> (key, arguments) of the policy a request names; PolicyError for a bad one."""
@@ -65,9 +66,11 @@ class SchedulerPool:
         with self._lock:
             sched = self._live.get(key)
             if sched is None:
-                self._make_room()
                 try:
-                    sched = self._create(get(key[0], **args))
+                    policy = get(key[0], **args)
+                    policy.check(self.gpt.layout)  # before closing an idle pool for it
+                    self._make_room()
+                    sched = self._create(policy)
                 except TypeError as e:
                     raise PolicyError(f"{key[0]}: bad parameter type ({e})") from None
                 self._live[key] = sched
