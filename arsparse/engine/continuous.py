@@ -313,7 +313,8 @@ class SlotDecoder:
             return None
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            # thread_local: other threads (another policy's worker) may keep using the GPU meanwhile.
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
                 self._step_device(*plan)
             self._graph_pool = graph.pool()
         except Exception:  # keep serving, eagerly
