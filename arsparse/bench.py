@@ -33,6 +33,7 @@ class BenchRow:
     floor_ms_per_step: float
     ratio_to_floor: float
     setup_s: float  # allocation, compilation and graph capture for this batch
+    profile: list | None = None  # [(kernel, ms per step)], with --profile
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -71,11 +72,13 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool = False,
-          memory_gb: float | None = None) -> dict:
+          memory_gb: float | None = None, out: str | None = None, profile: bool = False) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
-    default the free GPU memory). ``policies`` are ``name`` or ``name:key=value,key=value``.
+    default the free GPU memory; backed off by 10% if the step runs out of memory). ``policies`` are
+    ``name`` or ``name:key=value,key=value``. With ``out``, the JSON is rewritten after every row. With
+    ``profile``, each row also gets the GPU time per decode step of its top kernels.
     """
     from .engine.throughput import max_batch
     from .policies import get, parse_args
@@ -88,9 +91,17 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     bw = copy_bandwidth(device)
     eb = torch.finfo(dtype).bits // 8
     wbytes = step_weight_bytes(cfg, eb)
-    N = cfg.image_tokens
     mem = None if memory_gb is None else int(memory_gb * 2**30)
     rows_out = []
+    meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
+                compile=compile, copy_bandwidth_gb_s=bw / 1e9)
+
+    def result() -> dict:
+        rows = [asdict(r) for r in rows_out]
+        _add_ratios(rows)
+        return dict(meta, rows=rows)
+
     for spec in policies:
         name, _, argtext = spec.partition(":")
         policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
@@ -98,46 +109,80 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
         for kernel in kernels:
             gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy)
             for want in tqdm(batches, desc=f"bench {spec} {kernel}", unit="batch"):
-                gen._runner = None
-                torch.cuda.empty_cache()
                 B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
-                cond = torch.arange(B) % cfg.num_classes
-                torch.cuda.reset_peak_memory_stats(device)
-                t0 = time.perf_counter()
-                run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, captures
-                setup_s = time.perf_counter() - t0
-                run.run(c, progress=False)  # warm-up pass
-                torch.cuda.synchronize()
-                e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                with torch.no_grad():
-                    e[0].record()
-                    run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
-                    e[1].record()
-                    for _ in range(N - 1):
-                        run.graph.replay() if run.graph is not None else run.decode_step()
-                    e[2].record()
-                torch.cuda.synchronize()
-                prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
-                total_s = (prefill_ms + decode_ms) / 1e3
-                R = run.cache.rows
-                kv_read = R * budget.read * cfg.kv_bytes_per_token(eb)  # mean over the decode steps
-                floor_ms = (wbytes + kv_read) / bw * 1e3
-                ms_step = decode_ms / (N - 1)
-                rows_out.append(BenchRow(
-                    policy=spec, kernel=kernel, batch=B, max_batch=want == "max", rows=R, ms_per_step=ms_step,
-                    prefill_ms=prefill_ms, images_per_s=B / total_s, tokens_per_s=B * N / total_s,
-                    peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
-                    kv_bytes_per_image=(R // run.plan.batch) * budget.kept * cfg.kv_bytes_per_token(eb),
-                    kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
-                    ratio_to_floor=ms_step / floor_ms, setup_s=setup_s))
-                del run, c
+                for attempt in range(4):
+                    try:
+                        row = _time_one(gen, B, cfg_scale, seed, budget, wbytes, bw, eb, profile)
+                        break
+                    except torch.OutOfMemoryError:
+                        gen._runner = None
+                        torch.cuda.empty_cache()
+                        if want != "max" or attempt == 3:
+                            raise
+                        B = int(B * 0.9)  # the estimate missed some workspace: back off
+                rows_out.append(BenchRow(policy=spec, kernel=kernel, max_batch=want == "max", **row))
+                if out:
+                    Path(out).write_text(json.dumps(result(), indent=2))  # partial results survive a crash
             gen._runner = None
-    rows = [asdict(r) for r in rows_out]
-    _add_ratios(rows)
-    return dict(
-        gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-        host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale, compile=compile,
-        copy_bandwidth_gb_s=bw / 1e9, rows=rows)
+    return result()
+
+
+def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbytes: int, bw: float, eb: int,
+              profile: bool = False) -> dict:
+    """One full generation of B images after a short warm-up; the fields of a BenchRow."""
+    device, cfg = gen.device, gen.config
+    N = cfg.image_tokens
+    gen._runner = None
+    torch.cuda.empty_cache()
+    cond = torch.arange(B) % cfg.num_classes
+    torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, captures
+    setup_s = time.perf_counter() - t0
+    with torch.no_grad():  # warm-up: prefill and a few replays
+        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+        for _ in range(min(16, N - 1)):
+            run.graph.replay() if run.graph is not None else run.decode_step()
+    torch.cuda.synchronize()
+    e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    with torch.no_grad():
+        e[0].record()
+        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+        e[1].record()
+        for _ in range(N - 1):
+            run.graph.replay() if run.graph is not None else run.decode_step()
+        e[2].record()
+    torch.cuda.synchronize()
+    prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
+    total_s = (prefill_ms + decode_ms) / 1e3
+    R = run.cache.rows
+    kv_read = R * budget.read * cfg.kv_bytes_per_token(eb)  # mean over the decode steps
+    floor_ms = (wbytes + kv_read) / bw * 1e3
+    ms_step = decode_ms / (N - 1)
+    top = _profile_step(run, c, N) if profile else None
+    return dict(batch=B, rows=R, ms_per_step=ms_step, prefill_ms=prefill_ms, images_per_s=B / total_s,
+                tokens_per_s=B * N / total_s, peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
+                kv_bytes_per_image=(R // run.plan.batch) * budget.kept * cfg.kv_bytes_per_token(eb),
+                kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
+                ratio_to_floor=ms_step / floor_ms, setup_s=setup_s, profile=top)
+
+
+def _profile_step(run, c, N: int, steps: int = 3, top: int = 12) -> list:
+    """GPU time per decode step by kernel, mid-generation, from eager steps: [(kernel, ms/step), ...]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=c.device))
+        for _ in range(N // 2):
+            run.graph.replay() if run.graph is not None else run.decode_step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run.decode_step()
+            torch.cuda.synchronize()
+    times = [(e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)) for e in prof.key_averages()]
+    times = sorted(((k, t / steps / 1e3) for k, t in times if t > 0), key=lambda kt: -kt[1])
+    return [[k[:90], round(t, 4)] for k, t in times[:top]] + [["(all kernels)", round(sum(t for _, t in times), 4)]]
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -171,14 +216,30 @@ def cmd_bench(args) -> int:
         batches = [b if b == "max" else int(b) for b in args.batch.split(",")]
     except ValueError:
         raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
-    result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
-                   cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile, memory_gb=args.memory_gb)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
+                   cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile, memory_gb=args.memory_gb,
+                   out=args.out, profile=args.profile)
+    if args.llamagen_src:
+        from .reference_sampler import time_llamagen
+
+        result["reference"] = [time_llamagen(args.llamagen_src, args.preset, args.image_tokens, b,
+                                             cfg_scale=1.0 if args.no_cfg else args.cfg_scale)
+                               for b in batches if b != "max"]
+    if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
           f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s")
     print(markdown_table(result))
+    for r in result["rows"]:
+        for name, ms in r["profile"] or []:
+            print(f"  {r['policy']} batch {r['batch']}: {ms:8.3f} ms/step  {name}")
+    for ref in result.get("reference", []):
+        ours = {r["policy"]: r["images_per_s"] for r in result["rows"] if r["batch"] == ref["batch"]}
+        vs = ", ".join(f"{p} {v / ref['images_per_s']:.1f}x" for p, v in ours.items())
+        print(f"LlamaGen public sampler, batch {ref['batch']}: {ref['images_per_s']:.2f} images/s "
+              f"({ref['ms_per_step']:.2f} ms/step); arsparse: {vs}")
     return 0
 
 
@@ -194,5 +255,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cfg-scale", type=float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
     b.add_argument("--compile", action="store_true", help="torch.compile the step before capture (slow to build)")
+    b.add_argument("--profile", action="store_true", help="also list each row's top GPU kernels per decode step")
+    b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

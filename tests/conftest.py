@@ -29,6 +29,31 @@ def random_cond(model: GPT, batch: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(batch, cfg.cls_token_num, cfg.caption_dim, generator=g)
 
 
+def random_slot_tables(B, H, Hkv, P, C, D, dtype, seed, device="cpu"):
+    """Inputs of slot-table decode attention and the PyTorch reference's answer.
+
+    Fresh random q, prompt and slot tables, about 40% of the slots free and every slot of row 0,
+    kv head 0 free; free slots' K/V are NaN, so reading one poisons the result. Returns the inputs
+    (q, prompt_k, prompt_v, slot_k, slot_v, slot_pos) on ``device`` and the reference (out (B, H, D),
+    the slots' weights summed over each group (B, Hkv, C)), computed on the CPU before the poisoning.
+    """
+    from arsparse.kernels.reference import slot_decode_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, pk, pv, k, v = rnd(B, H, D), rnd(B, Hkv, P, D), rnd(B, Hkv, P, D), rnd(B, Hkv, C, D), rnd(B, Hkv, C, D)
+    spos = torch.randint(0, 4 * C, (B, Hkv, C), generator=g)
+    spos[torch.rand(B, Hkv, C, generator=g) < 0.4] = -1
+    spos[0, 0] = -1
+    ref = slot_decode_attention_ref(q, pk, pv, k, v, spos)
+    free = (spos < 0)[..., None]
+    k, v = k.masked_fill(free, float("nan")), v.masked_fill(free, float("nan"))
+    return [t.to(device) for t in (q, pk, pv, k, v, spos)], ref
+
+
 @pytest.fixture(params=["c2i", "t2i"])
 def model_type(request):
     return request.param

@@ -56,3 +56,35 @@ def test_policy_caches_under_cuda_graphs_equal_eager(policy):
     eager = Generator(model, device="cuda", dtype="fp32", cuda_graphs=False, policy=pol).sample_tokens(cond, seed=2)
     graph = Generator(model, device="cuda", dtype="fp32", cuda_graphs=True, policy=pol).sample_tokens(cond, seed=2)
     assert torch.equal(eager, graph)
+
+
+@pytest.mark.parametrize("B,H,Hkv,P,C,D,splits", [
+    (64, 20, 20, 1, 73, 64, None),  # GPT-XL-like heads at a c2i batch, rho ~ 1/8 of 576 tokens
+    (8, 24, 8, 120, 300, 100, None),  # GQA, head_dim 100, a t2i prompt
+    (2, 16, 2, 1, 1000, 128, 6),  # long tables over several splits
+])
+def test_slot_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, P, C, D, splits):
+    from arsparse.kernels.triton import slot_decode_attention
+    from conftest import random_slot_tables
+
+    inputs, (want_out, want_w) = random_slot_tables(B, H, Hkv, P, C, D, torch.bfloat16, seed=C, device="cuda")
+    out, w = slot_decode_attention(*inputs, num_splits=splits)
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(w.cpu(), want_w, atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("policy", [dict(name="h2o", rho=0.4), dict(name="headkv", rho=0.5, calib_rows=2, recent=4)])
+def test_scored_policy_triton_kernel_under_cuda_graphs(policy):
+    """The slot kernel in the captured step: graph == eager (same kernel), and its logits == the torch path's."""
+    import arsparse.policies as policies
+
+    pol = policies.get(**policy)
+    model = random_gpt("c2i", seed=12, image_tokens=64, n_kv_head=2)
+    cond = random_cond(model, 3)
+    runs = {graphs: Generator(model, device="cuda", dtype="bf16", cuda_graphs=graphs, kernel="triton",
+                              policy=pol).sample_tokens(cond, seed=5, top_k=20) for graphs in (False, True)}
+    assert torch.equal(runs[False], runs[True])
+    tokens = runs[True].cpu()
+    logits = {kernel: Generator(model, device="cuda", dtype="fp32", kernel=kernel, policy=pol)
+              .cached_logits(cond, tokens) for kernel in ("torch", "triton")}
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)

@@ -177,3 +177,30 @@ def test_safetensors_with_config_metadata_roundtrip(tmp_path):
     torch.save(model.state_dict(), tmp_path / "m.pt")  # no metadata: the type is read off the keys
     with pytest.raises(ValueError, match="holds a t2i model"):
         arsparse.load_gpt(tmp_path / "m.pt", preset="GPT-tiny", image_tokens=16, model_type="c2i")
+
+
+@pytest.mark.parametrize("model_type", ["c2i", "t2i"])
+def test_fused_blocks_equal_the_module_path(model_type):
+    """GPT.fuse: the block as two functions of tensors (as the engine compiles it) == the modules.
+
+    Traced by dynamo with fullgraph=True (backend "eager": no code generation on the CPU), so a
+    graph break in either half fails here rather than on the GPU; GQA included.
+    """
+    from functools import partial
+
+    from arsparse.engine.generator import Generator
+
+    model = random_gpt(model_type, seed=5, n_kv_head=2)
+    cond = random_cond(model, 3, seed=6)
+    tokens = torch.randint(0, model.config.vocab_size, (3, model.config.image_tokens))
+    with torch.no_grad():
+        want = model.logits(cond, tokens)
+        got = model.fuse(partial(torch.compile, backend="eager", fullgraph=True, dynamic=False)).logits(cond, tokens)
+        model.unfuse()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if model_type == "c2i":  # and through the engine's cached decode path
+        gen = Generator(model, device="cpu", dtype="fp32")
+        ref = gen.cached_logits(cond, tokens)
+        model.fuse(None)
+        torch.testing.assert_close(gen.cached_logits(cond, tokens), ref, atol=1e-5, rtol=1e-5)
+        model.unfuse()

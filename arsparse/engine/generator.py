@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -98,10 +99,8 @@ class _Runner:
         self.cfg_scale = torch.ones(b, **z)
         self.cfg_interval = torch.full((b,), -1, dtype=torch.long, **z)
         self.graph = None
-        self.step_fn = self.decode_step
-        if compile_step:
-            # Fuses the many small ops of a step (norms, RoPE, SwiGLU, sampling): fewer graph nodes.
-            self.step_fn = torch.compile(self.decode_step, dynamic=False)
+        if compile_step:  # the sampling's many element-wise ops as a few kernels (the blocks: GPT.fuse)
+            self._sample = torch.compile(self._sample, dynamic=False)
         if use_graphs:
             self._capture()
 
@@ -151,11 +150,11 @@ class _Runner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self.step_fn()
+                self.decode_step()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.step_fn()
+            self.decode_step()
 
     def start(self, cond: torch.Tensor) -> None:
         """Prefill ``cond`` and sample the first token of every image."""
@@ -166,7 +165,7 @@ class _Runner:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.step_fn()
+            self.decode_step()
 
     def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
         self.start(cond)
@@ -193,8 +192,9 @@ class Generator:
     kernel : {"torch", "triton"}, optional
         Decode attention implementation (default: Triton on CUDA when installed).
     compile : bool, optional
-        ``torch.compile`` the decode step before capturing it (default: off; on GPT-XL the
-        whole-step compile took over 10 minutes on an H200, see BENCHMARKS.md).
+        ``torch.compile`` the two halves of a transformer block (once, shared by every layer:
+        :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
+        ``kernel``. Fewer, fused kernels per step: what batch 1 needs (default: off).
     policy : str or Policy, optional
         Sparse-attention policy (see ``arsparse policies``); default dense.
     """
@@ -210,6 +210,10 @@ class Generator:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.compile = bool(compile)
+        if self.compile:
+            self.gpt.fuse(partial(torch.compile, dynamic=False, fullgraph=True))
+        else:
+            self.gpt.unfuse()
         self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")

@@ -25,12 +25,13 @@ def max_batch(gpt: GPT, policy=None, memory_bytes: int | None = None, guidance: 
               dtype: torch.dtype = torch.bfloat16, reserve_bytes: int = 2 << 30) -> int:
     """Images that fit: (memory - weights - reserve) / (sequences per image x (cache + workspace)).
 
-    ``memory_bytes`` defaults to the free memory of the current CUDA device.
+    ``memory_bytes`` defaults to the free memory of the current CUDA device, counting what PyTorch's
+    allocator holds but does not use as free.
     """
     if memory_bytes is None:
         if not torch.cuda.is_available():
             raise ValueError("memory_bytes is needed without a CUDA device")
-        memory_bytes = torch.cuda.mem_get_info()[0]
+        memory_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     weights = sum(p.numel() for p in gpt.parameters()) * torch.finfo(dtype).bits // 8
     per_image = (2 if guidance else 1) * (cache_bytes_per_sequence(gpt, policy, dtype) + step_workspace_per_sequence(gpt))
     free = memory_bytes - weights - reserve_bytes

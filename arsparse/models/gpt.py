@@ -27,6 +27,40 @@ class AttentionBackend(Protocol):
         ...
 
 
+# ---- the block's arithmetic as pure functions of tensors --------------------------------------
+# The modules below call these; the engine may swap in compiled compositions of them (``GPT.fuse``):
+# one compiled graph serves every layer, because the weights are arguments rather than attributes.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, rope: torch.Tensor, n_head: int, n_kv: int):
+    """x (B, T, dim) -> q (B, H, T, D), k and v (B, Hkv, T, D): fused projection, then RoPE on q and k."""
+    B, T, _ = x.shape
+    D = wqkv.shape[0] // (n_head + 2 * n_kv)
+    q, k, v = F.linear(x, wqkv).split([n_head * D, n_kv * D, n_kv * D], dim=-1)
+    q = apply_rope(q.view(B, T, n_head, D), rope).transpose(1, 2)
+    k = apply_rope(k.view(B, T, n_kv, D), rope).transpose(1, 2)
+    return q, k, v.view(B, T, n_kv, D).transpose(1, 2)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def block_in(x, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
+    """First half of a block: RMSNorm, QKV, RoPE -> q, k, v."""
+    return qkv_rope(rms_norm(x, norm_w, eps), wqkv, rope, n_head, n_kv)
+
+
+def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
+    """Second half: x + wo(attn) -> h; h + SwiGLU(RMSNorm(h)). attn (B, T, H*D)."""
+    h = x + F.linear(attn, wo)
+    return h + swiglu(rms_norm(h, norm_w, eps), w1, w3, w2)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -34,9 +68,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LabelEmbedder(nn.Module):
@@ -81,7 +113,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight)
 
 
 class Attention(nn.Module):
@@ -92,17 +124,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x, rope, layer: int, backend: AttentionBackend | None):
-        B, T, _ = x.shape
-        kv = self.n_kv * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, kv, kv], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
-        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = qkv_rope(x, self.wqkv.weight, rope, self.n_head, self.n_kv)  # (B, H|Hkv, T, D)
+        return self.wo(self.attend(q, k, v, layer, backend))
+
+    def attend(self, q, k, v, layer: int, backend: AttentionBackend | None) -> torch.Tensor:
+        """-> (B, T, H*D), heads concatenated."""
         if backend is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
         else:
             out = backend.attend(layer, q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        B, _, T, _ = out.shape
+        return out.transpose(1, 2).reshape(B, T, -1)
 
 
 class TransformerBlock(nn.Module):
@@ -113,9 +145,15 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, rope, layer, backend):
-        h = x + self.attention(self.attention_norm(x), rope, layer, backend)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x, rope, layer, backend, fused=None):
+        if fused is None:
+            h = x + self.attention(self.attention_norm(x), rope, layer, backend)
+            return h + self.feed_forward(self.ffn_norm(h))
+        first, second = fused  # block_in / block_out, possibly compiled
+        a, f = self.attention, self.feed_forward
+        q, k, v = first(x, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv, self.attention_norm.eps)
+        return second(x, a.attend(q, k, v, layer, backend), a.wo.weight, self.ffn_norm.weight,
+                      f.w1.weight, f.w3.weight, f.w2.weight, self.ffn_norm.eps)
 
 
 class GPT(nn.Module):
@@ -135,6 +173,22 @@ class GPT(nn.Module):
         table = rope_table(cfg.grid_h, cfg.grid_w, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
         self.register_buffer("rope", table, persistent=False)  # (P + N, D/2, 2), fp32
         self.layout = Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
+        self.fused = None
+
+    def fuse(self, compiler=None) -> "GPT":
+        """Run each block as two functions of tensors (``block_in``, ``block_out``), through ``compiler``.
+
+        ``gpt.fuse(torch.compile)`` compiles each half once for all layers (the weights are arguments),
+        which turns a decode step's ~50 small kernels per layer into ~10. ``gpt.fuse(None)`` runs the
+        same composition uncompiled; ``gpt.unfuse()`` returns to the module path.
+        """
+        wrap = compiler or (lambda fn: fn)
+        self.fused = (wrap(block_in), wrap(block_out))
+        return self
+
+    def unfuse(self) -> "GPT":
+        self.fused = None
+        return self
 
     # ---- conditions ----------------------------------------------------------
     def check_cond(self, cond: torch.Tensor, allow_null: bool = False) -> None:
@@ -183,7 +237,7 @@ class GPT(nn.Module):
         else:
             rope = self.rope[positions]  # (B, T, D/2, 2)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, i, backend)
+            h = layer(h, rope, i, backend, self.fused)
         return self.norm(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

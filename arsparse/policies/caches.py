@@ -2,14 +2,19 @@
 
 Both are attention backends of the model (``attend(layer, q, k, v)``) with the same two phases as
 the dense cache: ``prefill`` (the prompt, dense and causal, kept for good) and ``decode`` (one token
-at the device scalar ``pos``: static shapes, CUDA-graph friendly). This is the PyTorch reference:
-gathered attention over exactly the entries the policy keeps.
+at the device scalar ``pos``: static shapes, CUDA-graph friendly). Decode attention reads exactly
+the entries the policy keeps, through ``kernel``: ``"torch"`` (gathered attention, the reference)
+or ``"triton"`` (kernels that compute the read set in place, see :mod:`arsparse.kernels.triton`).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from ..engine.cache import KERNELS
+from ..kernels.reference import slot_decode_attention_ref
 from ..layout import Layout
 from ..models.config import GPTConfig
 
@@ -124,10 +129,17 @@ class SlotKVCache(_PromptCache):
     the live one, which the policy's ``update_capacity`` may change while decoding (per-head
     budgets); ``stats`` the per-head statistics it keeps for that (``head_stats``). The table has
     ``policy.max_capacity + 1`` slots, so a head whose capacity grows has room.
+
+    ``kernel``: ``"torch"`` (gathered attention, the reference) or ``"triton"``
+    (:func:`~arsparse.kernels.triton.slot_decode_attention`, split-KV over the slots, which also
+    returns the slots' weights the policy scores with); the rest of the step is the same.
     """
 
-    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device):
+    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
         super().__init__(cfg, rows, dtype, device)
+        self.kernel = kernel
         self.policy = policy
         self.layout = _layout(cfg)
         L, Hkv, D = cfg.n_layer, cfg.kv_heads, cfg.head_dim
@@ -140,6 +152,14 @@ class SlotKVCache(_PromptCache):
         self.v = torch.zeros_like(self.k)
         self.spos = torch.full((L, rows, Hkv, C), -1, dtype=torch.long, device=device)
         self.score = torch.zeros(L, rows, Hkv, C, dtype=torch.float32, device=device)
+        if kernel == "triton":  # splits fixed per cache: the captured step has static launches
+            from ..kernels.triton import slot_decode_attention
+            from ..kernels.triton.decode import choose_splits
+
+            self._attend_slots = partial(slot_decode_attention,
+                                         num_splits=choose_splits(rows, Hkv, C, torch.device(device)))
+        else:
+            self._attend_slots = slot_decode_attention_ref
 
     def nbytes(self) -> int:
         state = (self.pk, self.pv, self.k, self.v, self.spos, self.score, self.head_cap, *self.stats.values())
@@ -165,12 +185,10 @@ class SlotKVCache(_PromptCache):
         vc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
         spos.scatter_(2, slot, self.pos.expand(B, Hkv, 1))
         score.scatter_(2, slot, torch.zeros(B, Hkv, 1, device=score.device))
-        # 2. attend over the prompt and the occupied slots.
-        keys = torch.cat([self.pk[layer], kc], dim=2)
-        values = torch.cat([self.pv[layer], vc], dim=2)
-        valid = torch.cat([torch.ones(B, Hkv, self.P, dtype=torch.bool, device=q.device), spos >= 0], dim=2)
-        out, w = _attend_gathered(q, self._heads(keys), self._heads(values), self._heads(valid))
-        w_slots = w[:, :, self.P :].reshape(B, Hkv, self.G, C).sum(2)  # (B, Hkv, C), summed over the group
+        # 2. attend over the prompt and the occupied slots; w_slots (B, Hkv, C): the slots' weights
+        # summed over the query heads of each kv head.
+        out, w_slots = self._attend_slots(q[:, :, 0], self.pk[layer], self.pv[layer], kc, vc, spos)
+        out = out.unsqueeze(2)
         # 3. update the scores (and the per-head capacities); 4. evict where over capacity.
         pol, lay = self.policy, self.layout
         score.copy_(torch.where(spos >= 0, pol.update(score, w_slots, spos, self.pos, lay), score))

@@ -108,7 +108,7 @@ class ScoredPolicy(Policy):
     def make_cache(self, cfg, rows: int, dtype, device, kernel: str = "torch"):
         from .caches import SlotKVCache
 
-        return SlotKVCache(cfg, self, rows, dtype, device)
+        return SlotKVCache(cfg, self, rows, dtype, device, kernel=kernel)
 
     def teacher_forced_logits(self, gpt, cond, tokens):
         """Token by token through the evicting cache: the same computation as decoding."""

@@ -6,7 +6,9 @@ import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 
-BLOCK_N = 64
+BLOCK_N = 128
+#: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
+SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -58,7 +60,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         scale, chunk, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, **SPLIT_LAUNCH,
     )
     combine_kernel[(B, H)](
         o_part, m_part, l_part, out,

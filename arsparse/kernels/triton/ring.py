@@ -6,6 +6,9 @@ import triton
 
 from ._ring import ring_decode_kernel
 
+#: Launch options (chosen by a sweep on an H200, see BENCHMARKS.md).
+LAUNCH = dict(num_warps=2)
+
 
 def ring_decode_attention(q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None) -> torch.Tensor:
@@ -50,6 +53,6 @@ def ring_decode_attention(q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v,
         offsets.stride(0), out.stride(0), out.stride(1),
         P, n_sinks, W, n_off, D**-0.5 if scale is None else scale, D,
         G=H // Hkv, BLOCK_P=triton.next_power_of_2(max(P, 1)), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
-        BLOCK_O=triton.next_power_of_2(max(n_off, 1)), BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_O=triton.next_power_of_2(max(n_off, 1)), BLOCK_D=triton.next_power_of_2(D), **LAUNCH,
     )
     return out
