@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .data.fashion import FASHION_CLASSES
 from .models.config import GPTConfig, gpt_config
 from .models.gpt import GPT
 from .models.vq import VQConfig, VQModel, vq_config
@@ -26,7 +27,7 @@ class Bundle:
 
     Shipped bundles read ``gpt_file`` from :data:`WEIGHTS_DIR`; its safetensors header holds the
     GPT config and the tokenizer description. Random bundles carry their configs and a seed.
-    ``cfg_scale`` is the guidance this model is best sampled with.
+    ``cfg_scale`` is the guidance this model is best sampled with; ``class_names`` name its classes.
     """
 
     name: str
@@ -36,6 +37,7 @@ class Bundle:
     gpt_file: str | None = None
     seed: int = 0
     cfg_scale: float = 4.0
+    class_names: tuple[str, ...] | None = None
 
     @property
     def available(self) -> bool:
@@ -51,7 +53,8 @@ class Bundle:
 
 BUNDLES: dict[str, Bundle] = {b.name: b for b in [
     Bundle("fashion-c2i", "trained here: Fashion-MNIST, 10 classes, 28x28 one token per pixel (32 grey levels), "
-           "17.7M-parameter LlamaGen GPT", gpt_file="fashion-c2i.safetensors", cfg_scale=2.0),
+           "17.7M-parameter LlamaGen GPT", gpt_file="fashion-c2i.safetensors", cfg_scale=2.0,
+           class_names=FASHION_CLASSES),
     Bundle("random-small", "GPT-small (6 layers, dim 384) + VQ-16 (ch 32), random weights, 16x16 tokens, 256 px",
            gpt_config("GPT-small", image_tokens=256), vq_config("VQ-16", ch=32)),
     Bundle("random-gpt-b", "LlamaGen GPT-B + VQ-16, random weights, 16x16 tokens, 256 px",

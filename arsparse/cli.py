@@ -1,4 +1,4 @@
-"""The one command line: ``arsparse generate | models | convert``."""
+"""The one command line: ``arsparse generate | models | policies | convert | bench | train | eval | analyze | serve``."""
 from __future__ import annotations
 
 import argparse
@@ -188,12 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .analysis.cli import add_analyze_parser
     from .bench import add_bench_parser
     from .eval.cli import add_eval_parser
+    from .serve.cli import add_serve_parser
     from .training.cli import add_train_parser
 
     add_bench_parser(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
     add_analyze_parser(sub)
+    add_serve_parser(sub)
     return p
 
 

@@ -283,32 +283,16 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in arr]  # mode "RGB"
 
 
-def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padding: int = 2) -> Image.Image:
-    """Tile images into one picture and save it.
-
-    Parameters
-    ----------
-    images : torch.Tensor
-        ``(B, C, H, W)`` in ``[-1, 1]``.
-    path : str or os.PathLike
-        Output file; the format follows the extension (``.png``, ``.jpg`` ...).
-    nrow : int
-        Images per row.
-    padding : int
-        Black pixels between and around tiles.
-
-    Returns
-    -------
-    PIL.Image.Image
-        The grid that was written.
-    """
+def make_grid(images: torch.Tensor, nrow: int = 8, padding: int = 2) -> Image.Image:
+    """Tile ``(B, C, H, W)`` images in ``[-1, 1]`` into one picture, ``nrow`` per row, with
+    ``padding`` black pixels between and around tiles."""
     if isinstance(nrow, bool) or not isinstance(nrow, int) or nrow <= 0:
         raise ValueError(f"nrow must be a positive int, got {nrow!r}")
     if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
         raise ValueError(f"padding must be a non-negative int, got {padding!r}")
     tiles = to_pil(images)
     if not tiles:
-        raise ValueError("save_grid needs at least one image, got an empty batch")
+        raise ValueError("a grid needs at least one image, got an empty batch")
     w, h = tiles[0].size
     cols = min(nrow, len(tiles))
     rows = math.ceil(len(tiles) / cols)
@@ -316,6 +300,13 @@ def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padd
     for i, tile in enumerate(tiles):
         r, c = divmod(i, cols)
         canvas.paste(tile, (padding + c * (w + padding), padding + r * (h + padding)))
+    return canvas
+
+
+def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padding: int = 2) -> Image.Image:
+    """Tile images into one picture (:func:`make_grid`) and save it; the format follows the
+    extension of ``path``. Returns the grid."""
+    canvas = make_grid(images, nrow, padding)
     parent = os.path.dirname(os.fspath(path))
     if parent:
         os.makedirs(parent, exist_ok=True)

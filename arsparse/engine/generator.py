@@ -43,6 +43,29 @@ def _per_row(name: str, value, n: int, kind=float) -> list:
         raise ValueError(f"{name} must be {kind.__name__} values, got {value!r}") from None
 
 
+def sampling_rows(B: int, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, cfg_interval=-1) -> dict[str, list]:
+    """Sampling arguments (scalars or one value per image) -> checked lists of ``B`` values each."""
+    rows = dict(cfg_scale=_per_row("cfg_scale", cfg_scale, B), temperature=_per_row("temperature", temperature, B),
+                top_k=_per_row("top_k", top_k, B, int), top_p=_per_row("top_p", top_p, B),
+                cfg_interval=_per_row("cfg_interval", cfg_interval, B, int))
+    if any(t < 0 for t in rows["temperature"]):
+        raise ValueError(f"temperature must be >= 0, got {rows['temperature']}")
+    if any(k < 0 for k in rows["top_k"]):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {rows['top_k']}")
+    if any(not 0.0 < p <= 1.0 for p in rows["top_p"]):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {rows['top_p']}")
+    if any(i < -1 for i in rows["cfg_interval"]):
+        raise ValueError(f"cfg_interval must be >= -1 (-1 = always), got {rows['cfg_interval']}")
+    return rows
+
+
+def row_keys(seed, B: int) -> list[int]:
+    """Noise keys of B images: an int seed gives image i the key (seed, i); a list, (seed[i], 0)."""
+    if isinstance(seed, Sequence):
+        return [row_key(s, 0) for s in _per_row("seed", seed, B, int)]
+    return [row_key(int(seed), i) for i in range(B)]
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What fixes the shape of the captured step: batch bucket, guidance on/off, static top-k bound, top-p on/off."""
@@ -133,13 +156,21 @@ class _Runner:
         with torch.cuda.graph(self.graph):
             self.decode_step()
 
-    def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
+    def start(self, cond: torch.Tensor) -> None:
+        """Prefill ``cond`` and sample the first token of every image."""
         self._emit(self.prefill_logits(cond), torch.zeros((), dtype=torch.long, device=cond.device))
+
+    def advance(self) -> None:
+        """One decode step (the captured graph when there is one)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.decode_step()
+
+    def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
+        self.start(cond)
         for _ in tqdm(range(self.N - 1), disable=not progress, desc="decode", unit="tok", leave=False):
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self.decode_step()
+            self.advance()
         return self.out
 
 
@@ -240,23 +271,9 @@ class Generator:
         B = cond.shape[0]
         if B == 0:
             raise ValueError("no conditions given")
-        scale = _per_row("cfg_scale", cfg_scale, B)
-        temp = _per_row("temperature", temperature, B)
-        ks = _per_row("top_k", top_k, B, int)
-        ps = _per_row("top_p", top_p, B)
-        intervals = _per_row("cfg_interval", cfg_interval, B, int)
-        if any(t < 0 for t in temp):
-            raise ValueError(f"temperature must be >= 0, got {temp}")
-        if any(k < 0 for k in ks):
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {ks}")
-        if any(not 0.0 < p <= 1.0 for p in ps):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {ps}")
-        if any(i < -1 for i in intervals):
-            raise ValueError(f"cfg_interval must be >= -1 (-1 = always), got {intervals}")
-        if isinstance(seed, Sequence):
-            keys = [row_key(s, 0) for s in _per_row("seed", seed, B, int)]
-        else:
-            keys = [row_key(int(seed), i) for i in range(B)]
+        rows = sampling_rows(B, cfg_scale, temperature, top_k, top_p, cfg_interval)
+        scale, temp, ks, ps, intervals = (rows[k] for k in ("cfg_scale", "temperature", "top_k", "top_p", "cfg_interval"))
+        keys = row_keys(seed, B)
 
         use_cfg = any(s != 1.0 for s in scale)
         kmax = min(max(ks), self.config.vocab_size)

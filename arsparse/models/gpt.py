@@ -227,8 +227,15 @@ class GPT(nn.Module):
 
     # ---- forward -------------------------------------------------------------
     def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
-        """h (B, T, dim) at sequence ``positions`` (T,) -> normalised hidden states (B, T, dim)."""
-        rope = self.rope.index_select(0, positions)  # (T, D/2, 2)
+        """h (B, T, dim) at sequence ``positions`` -> normalised hidden states (B, T, dim).
+
+        ``positions`` is (T,), shared by every row, or (B, T), one row each (continuous batching,
+        where sequences that joined at different steps decode side by side).
+        """
+        if positions.dim() == 1:
+            rope = self.rope.index_select(0, positions)  # (T, D/2, 2)
+        else:
+            rope = self.rope[positions]  # (B, T, D/2, 2)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, i, backend, self.fused)
         return self.norm(h)

@@ -23,10 +23,15 @@ def rope_table(grid_h: int, grid_w: int, head_dim: int, base: float, prefix_len:
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, T, H, D) by table (T, D/2, 2); computed in fp32, returned in x's dtype."""
+    """Rotate x (B, T, H, D) by table (T, D/2, 2), or (B, T, D/2, 2) for per-row positions.
+
+    Computed in fp32, returned in x's dtype.
+    """
     B, T, H, D = x.shape
     xp = x.float().reshape(B, T, H, D // 2, 2)
-    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # (1, T, 1, D/2)
+    if table.dim() == 3:
+        table = table[None]
+    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # (1 or B, T, 1, D/2)
     a, b = xp[..., 0], xp[..., 1]
     out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1)
     return out.reshape(B, T, H, D).type_as(x)

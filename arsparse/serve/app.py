@@ -1,0 +1,222 @@
+"""The HTTP app: FastAPI over one model, the engine, and a scheduler per policy.
+
+No ``from __future__ import annotations`` here: FastAPI reads the annotations of the route
+functions, and the request model is built per app (its limits come from the model).
+"""
+import asyncio
+import base64
+import io
+import secrets
+import time
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__, policies
+from ..engine.continuous import supports_continuous
+from ..engine.generator import row_keys, sampling_rows
+from ..tokenizers import make_grid, to_pil
+from .config import ServeConfig
+from .metrics import CONTENT_TYPE, ServeMetrics
+from .pool import SchedulerPool
+from .scheduler import Job, ServeError
+from .schemas import (ErrorResponse, GenerateResponse, HealthResponse, ModelInfo, ModelsResponse, PoliciesResponse,
+                      PolicyInfo, generate_request_model)
+
+STATIC = Path(__file__).parent / "static"
+
+
+def _png(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _validation_detail(errors, example: str, allowed: list[str]) -> tuple[str, list[dict]]:
+    """pydantic errors -> one message saying what was wrong and what is allowed, and one item per error."""
+    items = []
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or "body"
+        kind, msg = e.get("type", ""), e.get("msg", "invalid")
+        if kind == "json_invalid":
+            err = (e.get("ctx") or {}).get("error", "JSON decode error")
+            field, msg = "body", f"the body is not valid JSON ({err} at character {loc[0] if loc else '?'}); send a JSON object such as {example}"
+        elif field == "body" and kind == "missing":
+            msg = f"the body is missing; send a JSON object such as {example}"
+        elif field == "body":
+            msg = f"the body must be a JSON object (Content-Type: application/json) such as {example}"
+        elif kind == "missing":
+            msg = "required field is missing"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field; allowed fields: {', '.join(allowed)}"
+        else:
+            got = repr(e.get("input"))
+            msg = f"{msg} (got {got if len(got) <= 60 else got[:57] + '...'})"
+        items.append(dict(field=field, message=msg))
+    detail = "; ".join(f"{it['field']}: {it['message']}" if it["field"] != "body" else it["message"] for it in items)
+    return f"invalid request: {detail}", items
+
+
+def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dense", policy_args: dict | None = None,
+               config: ServeConfig | None = None, device=None, dtype=None, cfg_scale: float = 4.0,
+               class_names=None) -> FastAPI:
+    """An ASGI app serving ``gpt`` + ``tokenizer`` (one copy, shared by every policy's scheduler).
+
+    ``policy``/``policy_args``: the server's policy, used when a request names none (created now,
+    so a bad one fails here). ``cfg_scale``: the guidance a request gets unless it asks.
+    """
+    config = config or ServeConfig()
+    if tokenizer is None:
+        raise ValueError("the server needs a tokenizer to turn tokens into images")
+    pool = SchedulerPool(gpt, tokenizer, config, device=device, dtype=dtype, policy=policy, policy_args=policy_args)
+    gen = pool.default.gen
+    cfg = gen.config
+    c2i = cfg.model_type == "c2i"
+    guidance = not c2i or cfg.has_null_class
+    if not guidance:
+        cfg_scale = 1.0
+    height, width = tokenizer.image_size((cfg.grid_h, cfg.grid_w))
+    GenerateRequest = generate_request_model(cfg, config.max_images, config.max_timeout_s, policies.names(), cfg_scale)
+    allowed_fields = list(GenerateRequest.model_fields)
+    example = '{"class_label": 0, "n": 1, "seed": 0}' if c2i else '{"caption_features": [[...]], "n": 1}'
+    metrics = ServeMetrics(pool)
+
+    # No lifespan hook closes the pool: test clients run the lifespan around every request. The worker
+    # threads are daemons; app.state.pool.close() stops them and frees their caches.
+    app = FastAPI(title="arsparse", version=__version__,
+                  description="Autoregressive image generation with sparse attention and continuous batching.")
+    app.state.pool, app.state.metrics, app.state.config = pool, metrics, config
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        detail, items = _validation_detail(exc.errors(), example, allowed_fields)
+        return JSONResponse(status_code=422, content=dict(detail=detail, errors=items))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not read the body at all (e.g. not UTF-8)
+            return JSONResponse(status_code=422, content=dict(
+                detail=f"invalid request: the body could not be read as JSON ({exc.detail}); send a UTF-8 JSON "
+                       f"object such as {example}"))
+        return JSONResponse(status_code=exc.status_code, content=dict(detail=str(exc.detail)), headers=exc.headers)
+
+    @app.exception_handler(ServeError)
+    async def on_serve_error(request: Request, exc: ServeError):
+        headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after is not None else None
+        return JSONResponse(status_code=exc.status, content=dict(detail=exc.message), headers=headers)
+
+    def err(description: str, retry: bool = False) -> dict:
+        out = {"model": ErrorResponse, "description": description}
+        if retry:
+            out["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+        return out
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/health", response_model=HealthResponse, summary="liveness and per-policy load")
+    async def health():
+        return HealthResponse(status="ok", model=model_name, policies=[s.stats() for s in pool.schedulers()])
+
+    @app.get("/v1/models", response_model=ModelsResponse, summary="the model this server runs")
+    async def models():
+        return ModelsResponse(models=[ModelInfo(
+            name=model_name, model_type=cfg.model_type, num_classes=cfg.num_classes if c2i else None,
+            class_names=list(class_names) if class_names else None,
+            caption_shape=None if c2i else [cfg.cls_token_num, cfg.caption_dim], image_tokens=cfg.image_tokens,
+            grid=[cfg.grid_h, cfg.grid_w], width=width, height=height, cfg_scale=cfg_scale, guidance=guidance,
+            max_images=min(config.max_images, pool.default.slots), parameters=cfg.num_params())])
+
+    @app.get("/v1/policies", response_model=PoliciesResponse, summary="sparse-attention policies a request may name")
+    async def list_policies():
+        rows = []
+        for name in policies.names():
+            p = policies.get(name)
+            d = p.describe()
+            rows.append(PolicyInfo(name=name, kind=d["kind"], mode="continuous" if supports_continuous(p) else "cohort",
+                                   source=d["source"], doc=d["doc"], params=d["params"]))
+        return PoliciesResponse(default=pool.default_name, default_params=pool.default_args,
+                                live=[s.name for s in pool.schedulers()], policies=rows)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "text format"}})
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/generate", response_model=GenerateResponse, summary="draw images",
+              responses={200: {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}},
+                               "description": "base64 PNGs in JSON; one PNG (a grid when n > 1) with Accept: image/png"},
+                         422: err("bad input: what was wrong and what is allowed"),
+                         429: err("the queue is full, or every policy slot is busy", retry=True),
+                         499: err("the client went away (never seen by it)"),
+                         500: err("the engine failed on this request"),
+                         503: err("the policy is shutting down", retry=True),
+                         504: err("the request timed out (timeout_s)")})
+    async def generate(body: GenerateRequest, request: Request):
+        t0 = time.monotonic()
+        status, label = 500, body.policy or pool.default_name
+        try:
+            response = await _generate(body, request, t0)
+            status = response.status_code
+            return response
+        except ServeError as e:
+            status = e.status
+            raise
+        finally:
+            metrics.observe(label, status, time.monotonic() - t0)
+
+    async def _generate(body, request: Request, t0: float) -> Response:
+        n = body.n
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+        scale = cfg_scale if body.cfg_scale is None else body.cfg_scale
+        if not guidance and scale != 1.0:
+            raise ServeError(422, "cfg_scale: this model has no null class, so guidance is unavailable; use 1")
+        if c2i:
+            cond = torch.full((n,), body.class_label, dtype=torch.long)
+        else:
+            cond = torch.tensor(body.caption_features, dtype=torch.float32)[None].expand(n, -1, -1)
+        try:
+            rows = sampling_rows(n, scale, body.temperature, body.top_k, body.top_p, body.cfg_interval)
+        except ValueError as e:
+            raise ServeError(422, str(e)) from None
+        job = Job(cond, row_keys(seed, n), rows, deadline=t0 + (body.timeout_s or config.timeout_s), submitted=t0)
+        try:
+            sched = await run_in_threadpool(pool.submit, body.policy, body.policy_args, job)
+        except ValueError as e:  # PolicyError: unknown parameter, out of range, does not fit this model
+            raise ServeError(422, f"policy: {e}") from None
+
+        fut = asyncio.wrap_future(job.future)
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=config.poll_s)
+            if done:
+                break
+            if await request.is_disconnected():
+                sched.cancel(job)  # the worker frees its slots at the next step boundary
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                return Response(status_code=499)
+        result = fut.result()  # raises the ServeError the worker set
+
+        accept = request.headers.get("accept", "")
+        want_png = "image/png" in accept and "application/json" not in accept
+        total = time.monotonic() - t0
+        timing = dict(queue_s=round(result.queue_s, 4), generate_s=round(result.run_s, 4), total_s=round(total, 4))
+        headers = {"X-Request-Id": job.id, "X-Seed": str(seed), "X-Policy": sched.name,
+                   "X-Time-Total": f"{total:.4f}"}
+        if want_png:
+            png = await run_in_threadpool(lambda: _png(make_grid(result.images, nrow=min(n, 8))))
+            return Response(png, media_type="image/png", headers=headers)
+        images = await run_in_threadpool(lambda: [base64.b64encode(_png(im)).decode() for im in to_pil(result.images)])
+        out = GenerateResponse(
+            id=job.id, model=model_name, seed=seed, n=n, width=width, height=height, images=images,
+            policy=dict(name=sched.gen.policy.name, label=sched.name, mode=sched.mode),
+            tokens=result.tokens.tolist() if body.return_tokens else None, timing=timing)
+        return JSONResponse(out.model_dump(), headers=headers)
+
+    return app

@@ -1,0 +1,102 @@
+"""``arsparse serve`` and ``arsparse serve-bench`` (thin: they build a model and an app, then run it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..cliargs import add_model_args, build_model, positive_int
+
+
+def _need_serve_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"serving needs the serve extra ({e.name} is missing): pip install 'arsparse[serve]'") from None
+
+
+def _app_from_args(args):
+    from ..bundles import BUNDLES
+    from ..policies import get, parse_args
+    from .app import create_app
+    from .config import ServeConfig
+
+    _need_serve_extra()
+    policy_args = parse_args(args.policy_arg)
+    get(args.policy, **policy_args)  # a bad policy fails before the model loads
+    config = ServeConfig(max_batch=args.max_batch, kv_memory_gb=args.kv_memory_gb, max_queue=args.max_queue,
+                         max_images=min(args.max_images, args.max_batch), timeout_s=args.timeout,
+                         max_timeout_s=max(args.timeout, 600.0), max_policies=args.max_policies,
+                         cuda_graphs=not args.no_cuda_graphs)
+    gpt, tok, name, cfg_scale = build_model(args)
+    bundle = BUNDLES.get(name)
+    app = create_app(gpt, tok, model_name=name, policy=args.policy, policy_args=policy_args, config=config,
+                     device=args.device, dtype=args.dtype, cfg_scale=cfg_scale if args.cfg_scale is None else args.cfg_scale,
+                     class_names=bundle.class_names if bundle else None)
+    return app, name, gpt
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    app, name, _ = _app_from_args(args)
+    sched = app.state.pool.default
+    print(f"arsparse: serving {name} on http://{args.host}:{args.port} (policy {sched.name}, {sched.mode} batching, "
+          f"{sched.slots} slots, {sched.gen.device}); docs at /docs, page at /", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_serve_bench(args) -> int:
+    from .loadgen import serve_bench
+
+    app, name, gpt = _app_from_args(args)
+    cfg = gpt.config
+    if cfg.model_type != "c2i":
+        raise ValueError("serve-bench drives class-conditional models only")
+    body = {} if args.cfg_scale is None else dict(cfg_scale=args.cfg_scale)
+    result = serve_bench(app, name, args.requests, args.concurrency, n=args.n, warmup=args.warmup,
+                         num_classes=cfg.num_classes, body=body)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0 if result["failures"] == 0 else 1
+
+
+def _add_server_args(p) -> None:
+    add_model_args(p)
+    p.add_argument("--policy", default="dense", help="the server's policy (requests may name another)")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE", help="its parameters, repeatable")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--cfg-scale", type=float, default=None, help="guidance when a request gives none (default: the bundle's)")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="images decoded at once per policy, at most")
+    p.add_argument("--kv-memory-gb", type=float, default=None,
+                   help="KV cache budget per policy; sets the slot pool (default: free GPU memory on cuda)")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests per policy before 429")
+    p.add_argument("--max-images", type=positive_int, default=8, help="images per request, at most")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take unless it asks (504 after)")
+    p.add_argument("--max-policies", type=positive_int, default=2, help="policies with a live slot pool at once")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every continuous-batching step eagerly")
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="HTTP server with continuous batching, a web page and Prometheus metrics")
+    _add_server_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("serve-bench", help="start the server in-process and time a steady load against it")
+    _add_server_args(b)
+    b.add_argument("--requests", type=positive_int, default=256, help="timed requests")
+    b.add_argument("--concurrency", type=positive_int, default=32, help="clients, each with one request in flight")
+    b.add_argument("--n", type=positive_int, default=1, help="images per request")
+    b.add_argument("--warmup", type=int, default=None, help="untimed requests first (default: --concurrency)")
+    b.add_argument("--out", help="write the JSON here too")
+    b.set_defaults(func=cmd_serve_bench)

@@ -1,0 +1,48 @@
+"""Server settings: one validated dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How much the server takes on.
+
+    ``max_batch``: images decoded at once per policy (the slot pool), at most; ``kv_memory_gb``,
+    when given, lowers it to what the policy's KV cache fits in that budget (two cache rows per
+    image when the model has guidance). On CUDA without a budget the free memory sets it, as the
+    engine's throughput mode does. ``max_queue``: requests waiting per policy before the server
+    answers 429. ``max_images``: images per request. ``timeout_s``: a request's deadline unless it
+    asks for another (at most ``max_timeout_s``). ``max_policies``: policies (name + parameters)
+    with a live slot pool at once; an idle one is closed to make room for a new one.
+    ``poll_s``: how often a waiting request checks whether its client went away. ``cuda_graphs``:
+    replay continuous-batching steps from CUDA graphs (CUDA only; one per step shape, captured on
+    first use).
+    """
+
+    max_batch: int = 32
+    kv_memory_gb: float | None = None
+    max_queue: int = 64
+    max_images: int = 8
+    timeout_s: float = 120.0
+    max_timeout_s: float = 600.0
+    max_policies: int = 2
+    poll_s: float = 0.05
+    cuda_graphs: bool = True
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "max_images", "max_policies"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ServeConfig: {name} must be a positive integer, got {v!r}")
+        for name in ("timeout_s", "max_timeout_s", "poll_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ServeConfig: {name} must be a positive number of seconds, got {v!r}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"ServeConfig: kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(f"ServeConfig: timeout_s ({self.timeout_s}) must be <= max_timeout_s ({self.max_timeout_s})")
+        if self.max_images > self.max_batch:
+            raise ValueError(f"ServeConfig: max_images ({self.max_images}) must be <= max_batch ({self.max_batch}): "
+                             "a request's images decode together")

@@ -1,0 +1,144 @@
+"""Continuous batching in the engine: slots at their own positions give exactly the offline tokens."""
+import pytest
+import torch
+
+from arsparse import policies
+from arsparse.engine.continuous import RowDenseKVCache, RowRingKVCache, SlotDecoder, make_row_cache
+from arsparse.engine.generator import Generator, row_keys, sampling_rows
+from conftest import random_cond, random_gpt
+
+# Small enough for an 8x8 grid, large enough that the ring buffer wraps (window 18 of 63 positions).
+OFFSET_POLICIES = {
+    "diagonal": dict(local=3, rows=2, band=1, sinks=2),
+    "streaming": dict(sinks=2, recent=5),
+}
+
+
+def _requests(model, count, seed):
+    """Requests with fresh random conditions, seeds and sampling arguments (guidance on and off)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        out.append(dict(
+            n=n, cond=random_cond(model, n, seed=seed * 100 + i), seed=int(torch.randint(0, 2**40, (1,), generator=g)),
+            cfg_scale=[1.0, 2.5, 4.0][i % 3], temperature=float(torch.rand((), generator=g)) * 1.5,
+            top_k=[0, 5, 1, 0][i % 4], top_p=[1.0, 0.8][i % 2], cfg_interval=[-1, 3][i % 2]))
+    return out
+
+
+def _offline(gen, r):
+    return gen.sample_tokens(r["cond"], cfg_scale=r["cfg_scale"], temperature=r["temperature"], top_k=r["top_k"],
+                             top_p=r["top_p"], seed=r["seed"], cfg_interval=r["cfg_interval"])
+
+
+def _serve(dec, reqs, arrivals):
+    """Admit request i at step arrivals[i] (or as soon as it fits after), step until all are done."""
+    owner, results, step = {}, {}, 0
+    waiting = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+    joined_mid_flight = 0
+    while len(results) < len(reqs):
+        while waiting and arrivals[waiting[0]] <= step and len(dec.free_slots()) >= reqs[waiting[0]]["n"]:
+            i = waiting.pop(0)
+            r = reqs[i]
+            slots = dec.free_slots()[: r["n"]]
+            joined_mid_flight += bool(owner)
+            dec.admit(slots, r["cond"], row_keys(r["seed"], r["n"]),
+                      sampling_rows(r["n"], r["cfg_scale"], r["temperature"], r["top_k"], r["top_p"], r["cfg_interval"]))
+            owner[i] = slots
+        dec.step()
+        done = set(dec.done())
+        for i, slots in list(owner.items()):
+            if set(slots) <= done:
+                results[i] = dec.tokens(slots).clone()
+                dec.release(slots)
+                del owner[i]
+        step += 1
+    return results, joined_mid_flight
+
+
+@pytest.mark.parametrize("policy", [None, "diagonal", "streaming"])
+def test_requests_joining_mid_flight_get_the_offline_tokens(model_type, policy):
+    model = random_gpt(model_type, image_tokens=64, seed=2, n_kv_head=2 if policy == "streaming" else None)
+    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    gen = Generator(model, device="cpu", policy=pol)
+    dec = SlotDecoder(gen, slots=6, guidance=True)
+    reqs = _requests(model, 7, seed=3 + (policy is None))
+    arrivals = [0, 0, 5, 9, 30, 31, 70]
+    results, joined = _serve(dec, reqs, arrivals)
+    assert joined >= 3  # requests really did join a running batch, into slots others had used
+    for i, r in enumerate(reqs):
+        want = _offline(gen, r)
+        assert torch.equal(results[i], want), f"request {i}"
+    # Not vacuous: another seed gives other tokens.
+    other = dict(reqs[0], seed=reqs[0]["seed"] + 1, temperature=1.0, top_k=0)
+    assert not torch.equal(_offline(gen, other), _offline(gen, dict(other, seed=reqs[0]["seed"])))
+
+
+def test_graph_shapes_give_the_same_tokens_and_capture_failure_falls_back(caplog):
+    """With CUDA graphs on, steps run at bucketed shapes (more slots, a larger top-k bound); where
+    capture fails (here: no CUDA), the plan runs eagerly for good, with the same tokens."""
+    model = random_gpt("c2i", image_tokens=64, seed=6)
+    gen = Generator(model, device="cpu")
+    dec = SlotDecoder(gen, slots=8, guidance=True)
+    dec.cuda_graphs = True  # what the constructor sets on CUDA
+    reqs = _requests(model, 5, seed=9)
+    results, joined = _serve(dec, reqs, [0, 2, 3, 40, 41])
+    assert joined >= 2
+    for i, r in enumerate(reqs):
+        assert torch.equal(results[i], _offline(gen, r)), f"request {i}"
+    plans = set(dec._graphs)
+    assert {w for w, _, _ in plans} <= {1, 2, 4, 8} and (8, 8, True) in plans  # buckets: top_k 5 -> bound 8
+    assert all(g is None for g in dec._graphs.values()) and "capture failed" in caplog.text
+
+
+def test_row_caches_for_each_policy_kind():
+    cfg = random_gpt("c2i").config
+    assert isinstance(make_row_cache(None, cfg, 2, torch.float32, "cpu"), RowDenseKVCache)
+    assert isinstance(make_row_cache(policies.get("dense"), cfg, 2, torch.float32, "cpu"), RowDenseKVCache)
+    assert isinstance(make_row_cache(policies.get("streaming"), cfg, 2, torch.float32, "cpu"), RowRingKVCache)
+    with pytest.raises(policies.PolicyError, match="h2o: a scored policy"):
+        make_row_cache(policies.get("h2o"), cfg, 2, torch.float32, "cpu")
+
+
+def test_per_row_positions_match_shared_positions():
+    model = random_gpt("c2i", image_tokens=16, seed=4)
+    h = torch.randn(3, 5, model.config.dim)
+    shared = model.forward_hidden(h, torch.arange(2, 7))
+    per_row = model.forward_hidden(h, torch.arange(2, 7).expand(3, 5))
+    assert torch.equal(shared, per_row)
+    mixed = model.forward_hidden(h[:1], torch.tensor([[4, 5, 6, 7, 8]]))
+    assert torch.allclose(mixed, model.forward_hidden(h[:1], torch.arange(4, 9)))
+    assert not torch.allclose(mixed, shared[:1], atol=1e-3)
+
+
+def test_decoder_rejects_misuse():
+    model = random_gpt("c2i", image_tokens=16)
+    gen = Generator(model, device="cpu")
+    dec = SlotDecoder(gen, slots=2, guidance=False)
+    rows = sampling_rows(1, cfg_scale=2.0)
+    with pytest.raises(ValueError, match="no guidance rows"):
+        dec.admit([0], torch.tensor([1]), row_keys(0, 1), rows)
+    dec.admit([0], torch.tensor([1]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
+    with pytest.raises(ValueError, match=r"slots \[0\] are busy"):
+        dec.admit([0], torch.tensor([1]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
+    with pytest.raises(ValueError, match="class labels must be in"):
+        dec.admit([1], torch.tensor([99]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", [None, "diagonal"])
+def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy):
+    model = random_gpt("c2i", image_tokens=64, seed=7)
+    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    gen = Generator(model, device="cuda", dtype="bf16", policy=pol)
+    reqs = _requests(model, 6, seed=11)
+    arrivals = [0, 1, 2, 20, 21, 50]
+    graphed = SlotDecoder(gen, slots=8, guidance=True, cuda_graphs=True)
+    got, _ = _serve(graphed, reqs, arrivals)
+    assert any(g is not None for g in graphed._graphs.values())  # steps were replayed from graphs
+    eager = SlotDecoder(gen, slots=8, guidance=True, cuda_graphs=True)
+    eager._graph_for = lambda plan: None  # the same bucketed shapes, run eagerly
+    want, _ = _serve(eager, reqs, arrivals)
+    for i in range(len(reqs)):
+        assert torch.equal(got[i], want[i]), f"request {i}"
