@@ -1,4 +1,4 @@
-"""The one command line: ``arsparse generate | models | convert``."""
+"""The one command line: ``arsparse generate | models | policies | convert | bench | data | train | eval | analyze``."""
 from __future__ import annotations
 
 import argparse
@@ -187,10 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .analysis.cli import add_analyze_parser
     from .bench import add_bench_parser
+    from .data.cli import add_data_parser
     from .eval.cli import add_eval_parser
     from .training.cli import add_train_parser
 
     add_bench_parser(sub)
+    add_data_parser(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
     add_analyze_parser(sub)
@@ -202,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "batch_size", 1) < 1:
         print("arsparse: error: --batch-size must be >= 1", file=sys.stderr)
         return 2
+    from .data import EmojiDataError, FashionDataError
+
     try:
         return args.func(args)
-    except ValueError as e:  # bad input, bad checkpoint: a message, not a traceback
+    except (ValueError, FashionDataError, EmojiDataError, FileNotFoundError) as e:  # bad input, missing data
         print(f"arsparse: error: {e}", file=sys.stderr)
         return 2
 
