@@ -201,14 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "batch_size", 1) < 1:
+    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
         print("arsparse: error: --batch-size must be >= 1", file=sys.stderr)
         return 2
     from .data import EmojiDataError, FashionDataError
 
     try:
         return args.func(args)
-    except (ValueError, FashionDataError, EmojiDataError, FileNotFoundError) as e:  # bad input, missing data
+    except (ValueError, FashionDataError, EmojiDataError, FileNotFoundError, FileExistsError) as e:  # bad input, missing data
         print(f"arsparse: error: {e}", file=sys.stderr)
         return 2
 

@@ -253,7 +253,10 @@ def test_cli_parser_and_tokenizer_command(tmp_path, capsys):
     assert main(["tokenizer", "--dataset", "fashion", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == {"type": "palette", "levels": 32}
     with pytest.raises(SystemExit):
-        main(["model", "--dataset", "emoji"])
+        main(["model", "--dataset", "mnist"])
+    assert main(["model", "--dataset", "emoji", "--vq", str(tmp_path / "none.safetensors")]) == 2  # no VQ yet
+    assert "train tokenizer --dataset emoji" in capsys.readouterr().err
+    assert main(["model", "--dataset", "fashion", "--vq", "x.safetensors"]) == 2
 
 
 @needs_fashion

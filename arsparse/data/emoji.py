@@ -51,6 +51,7 @@ __all__ = [
     "is_held_out",
     "load_emoji",
     "load_emoji_table",
+    "save_emoji_table",
 ]
 
 #: npm package and pinned version per style (the held-out split depends on the emoji set).
@@ -213,6 +214,10 @@ class EmojiData:
     base: np.ndarray
     test: np.ndarray
 
+    def subset(self, keep: np.ndarray) -> "EmojiData":
+        """The rows selected by a boolean mask or an index array."""
+        return EmojiData(self.images[keep], self.labels[keep], self.codes[keep], self.base[keep], self.test[keep])
+
     def split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``"train"``, ``"test"`` or ``"all"`` -> (images (N, 64, 64, 3) uint8, labels (N,) int64)."""
         if split not in ("train", "test", "all"):
@@ -253,7 +258,7 @@ def load_emoji_table(cache_dir: str | os.PathLike | None = None, fetch: bool = F
     """
     d = emoji_cache_dir(cache_dir)
     npz = d / NPZ_NAME
-    want = json.dumps({"format": _NPZ_FORMAT, "packages": _versions()}, sort_keys=True)
+    want = _npz_version()
     if npz.is_file():
         try:
             with np.load(npz, allow_pickle=False) as z:
@@ -266,11 +271,28 @@ def load_emoji_table(cache_dir: str | os.PathLike | None = None, fetch: bool = F
     if fetch:
         fetch_emoji(d, quiet=quiet)
     data = _decode(d, quiet)
+    save_emoji_table(data, d)
+    return data
+
+
+def _npz_version() -> str:
+    return json.dumps({"format": _NPZ_FORMAT, "packages": _versions()}, sort_keys=True)
+
+
+def save_emoji_table(data: EmojiData, cache_dir: str | os.PathLike) -> Path:
+    """Write ``data`` as ``<cache_dir>/emoji-64.npz`` (compressed), which :func:`load_emoji_table` reads alone.
+
+    Also how a subset travels: a smaller ``EmojiData`` saved into another folder is a data set
+    that every loader takes through its ``cache_dir`` / ``root`` argument.
+    """
+    d = Path(cache_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    npz = d / NPZ_NAME
     tmp = npz.with_name(npz.name + ".tmp.npz")
     np.savez_compressed(tmp, images=data.images, labels=data.labels, codes=data.codes, base=data.base,
-                        test=data.test, version=np.array(want))
+                        test=data.test, version=np.array(_npz_version()))
     os.replace(tmp, npz)
-    return data
+    return npz
 
 
 def load_emoji(split: str = "train", cache_dir: str | os.PathLike | None = None,
