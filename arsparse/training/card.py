@@ -44,6 +44,10 @@ def sample_grid(gpt, tokenizer, path, cfg_scale: float, rows: int = 4, seed: int
     return Path(path)
 
 
+def _bf16(config: dict) -> bool:
+    return str(config.get("device", "")).startswith("cuda") if config.get("bf16") is None else bool(config["bf16"])
+
+
 def _fmt_history(rows: list[dict], key: str, spec: str) -> str:
     return ", ".join(f"{r[key]:{spec}} (step {r['step']})" for r in rows)
 
@@ -83,8 +87,8 @@ def model_card(name: str, gpt_path: Path, vq_path: Path, gpt_log: dict, vq_log: 
         f"- **VQ training:** {vq_log['step']} steps of {v['batch_size']} images, AdamW (lr {v['lr']:g}, betas "
         f"{v['betas'][0]}/{v['betas'][1]}), {v['warmup']} warm-up steps then cosine to {v['lr'] * v['min_lr_ratio']:g}; "
         f"loss {v['l1_weight']:g} x L1 + {v['l2_weight']:g} x L2 + codebook + {v['commit_beta']:g} x commitment; "
-        f"random left-right flips; dead codes restarted from the batch every {v['restart_every']} steps "
-        f"({sum(r['codes'] for r in restarts)} restarts in all, "
+        f"random left-right flips{', bf16 autocast' if _bf16(v) else ''}; codes unused for {v['restart_every']} steps "
+        f"restarted on encoder outputs of the batch ({sum(r['codes'] for r in restarts)} restarts in all, "
         f"{restarts[-1]['codes'] if restarts else 0} at the last). {vq_log['device']}, torch {vq_log['torch']}, "
         f"{vq_log['train_time_s'] / 60:.1f} minutes of training"
         + (f" ({vtrain[-1]['images_per_s']:.0f} images/s)." if vtrain else "."),
@@ -94,7 +98,8 @@ def model_card(name: str, gpt_path: Path, vq_path: Path, gpt_log: dict, vq_log: 
         + (_fmt_history(vval, "psnr", ".2f") or "—") + ".",
         f"- **GPT training:** {gpt_log['step']} steps of {g['batch_size']} sequences, AdamW (lr {g['lr']:g}, betas "
         f"{g['betas'][0]}/{g['betas'][1]}, weight decay {g['weight_decay']}), {g['warmup']} warm-up steps then "
-        f"cosine to {g['lr'] * g['min_lr_ratio']:g}, gradient clip {g['grad_clip']}, bf16 autocast. "
+        f"cosine to {g['lr'] * g['min_lr_ratio']:g}, gradient clip {g['grad_clip']}"
+        f"{', bf16 autocast' if _bf16(g) else ''}. "
         f"{gpt_log['device']}, torch {gpt_log['torch']}, {gpt_log['train_time_s'] / 60:.1f} minutes of training"
         + (f" ({gtrain[-1]['images_per_s']:.0f} sequences/s)." if gtrain else "."),
         f"- **GPT losses (bits per token, {gc['vocab_size']}-way):** train "

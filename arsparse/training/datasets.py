@@ -8,6 +8,7 @@ tokenizer (emoji) need ``arsparse train tokenizer`` first, and are tokenised onc
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,15 +51,32 @@ def emoji_images(split: str, root=None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([images, images[keep].flip(2)]), torch.cat([labels, labels[keep]])
 
 
+@contextmanager
+def _exact_cuda():
+    """Deterministic cuDNN algorithms and no TF32 inside the block, so that a VQ encodes the same images to
+    the same tokens in every run on a GPU (a resumed GPT run checks its data's fingerprint)."""
+    b = torch.backends
+    saved = (b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
+    b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = True, False, False, False
+    try:
+        yield
+    finally:
+        b.cudnn.deterministic, b.cudnn.benchmark, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = saved
+
+
 def encode_images(tokenizer: ImageTokenizer, images: torch.Tensor, batch_size: int = 256,
                   desc: str | None = None) -> torch.Tensor:
-    """(N, H, W, 3) uint8 images -> (N, T) int64 tokens, in batches on the tokenizer's device (a bar if ``desc``)."""
+    """(N, H, W, 3) uint8 images -> (N, T) int64 tokens, in batches on the tokenizer's device (a bar if ``desc``).
+
+    In fp32 with deterministic kernels, so the tokens are the same in every run on the same machine.
+    """
     from tqdm.auto import tqdm
 
     parts = []
-    for i in tqdm(range(0, len(images), batch_size), desc=desc, unit="batch", disable=desc is None):
-        x = images[i:i + batch_size].permute(0, 3, 1, 2).float().div(127.5).sub(1.0)  # (B, 3, H, W)
-        parts.append(tokenizer.encode(x).cpu())
+    with _exact_cuda():
+        for i in tqdm(range(0, len(images), batch_size), desc=desc, unit="batch", disable=desc is None):
+            x = images[i:i + batch_size].permute(0, 3, 1, 2).float().div(127.5).sub(1.0)  # (B, 3, H, W)
+            parts.append(tokenizer.encode(x).cpu())
     return torch.cat(parts) if parts else torch.zeros(0, 0, dtype=torch.long)
 
 
