@@ -325,6 +325,7 @@ def train_vq(cfg: VQTrainConfig, images: torch.Tensor, val_images: torch.Tensor 
     vcfg = cfg.vq_config()
     torch.manual_seed(cfg.seed)
     model = VQModel(vcfg).to(device).train()
+    model.quantize.track_usage = False  # codes are counted here, without a GPU sync per step
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
     K = vcfg.codebook_size
@@ -427,9 +428,10 @@ def train_vq(cfg: VQTrainConfig, images: torch.Tensor, val_images: torch.Tensor 
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            counts = torch.bincount(ids.flatten(), minlength=K)
-            since_restart += counts
-            window_counts += counts
+            flat = ids.flatten()
+            ones = torch.ones_like(flat)
+            since_restart.index_add_(0, flat, ones)  # bincount would synchronise the GPU
+            window_counts.index_add_(0, flat, ones)
             window += torch.stack([loss.detach(), l1.detach(), l2.detach(), q["codebook"].detach(),
                                    q["commit"].detach()]).float()
             window_n += 1

@@ -11,20 +11,25 @@
 # `eval` (optional, after DONE): arsparse eval --model emoji-c2i with the new weights (est. 3-5 min).
 #
 # Needs no network: the data is read from .data/emoji/emoji-64.npz (ARSPARSE_DATA=.data), which the
-# caller carries (make it once with `ARSPARSE_DATA=.data arsparse data fetch emoji`; 18 MB).
+# caller carries (18 MB; make it once where npm works:
+#   PYTHONPATH=. python -m arsparse.cli data fetch emoji && mkdir -p .data/emoji &&
+#   cp ~/.cache/arsparse/emoji/emoji-64.npz .data/emoji/
+# and carry ".data/emoji").
 # State lives in out/emoji-vq, out/emoji-c2i, out/emoji-ship (kept between calls on a warm machine).
 # Every call also leaves in $OUT one tar in parts of at most 15 MiB (reassemble: cat X.tar.part-* | tar xf -):
 #   ship.tar  (once exported) out/emoji-ship/: emoji-c2i.safetensors, emoji-vq.safetensors, emoji-c2i.md,
 #             emoji-c2i-samples*.png, *-train_log.json
 #   state.tar (before that)   what resumes on a fresh machine: out/emoji-vq/{emoji-vq.safetensors or a portable
 #             ckpt.pt, train_log.json}, out/emoji-c2i/{portable ckpt.pt, train_log.json}; extract it in the
-#             repository root and carry out/emoji-vq, out/emoji-c2i and .data/emoji/emoji-64.npz (under 64 MiB).
+#             repository root and carry out/emoji-vq, out/emoji-c2i and .data/emoji (63 MB at most: < 64 MiB).
 #   eval.tar  (eval)          out/emoji-eval/: eval.json, eval.md, grid-*.png
 #
 # Knobs (environment): LIMIT (seconds per call), OUT, PYTHON, DEVICE (cuda), ARSPARSE_DATA (.data), and
-# VQ_ARGS / GPT_ARGS: extra flags for the two trainings (e.g. a tiny CPU smoke run of this script).
+# VQ_ARGS / GPT_ARGS / EXPORT_ARGS: extra flags for the three steps (e.g. a tiny CPU smoke run of this script).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+root=$(cd "$(dirname "$0")" && pwd)  # the repository root: the first folder up from here with pyproject.toml
+while [ ! -f "$root/pyproject.toml" ] && [ "$root" != / ]; do root=$(dirname "$root"); done
+cd "$root"
 export PYTHONPATH=. ARSPARSE_DATA=${ARSPARSE_DATA:-.data}
 PY=${PYTHON:-python}
 LIMIT=${LIMIT:-540}
@@ -60,7 +65,8 @@ EOF
 
 if [ ! -f "$ARSPARSE_DATA/emoji/emoji-64.npz" ]; then
     echo "emoji-train: $ARSPARSE_DATA/emoji/emoji-64.npz is missing: make it with" \
-         "'ARSPARSE_DATA=.data PYTHONPATH=. python -m arsparse.cli data fetch emoji' and carry it" >&2
+         "'PYTHONPATH=. python -m arsparse.cli data fetch emoji && mkdir -p .data/emoji &&" \
+         "cp ~/.cache/arsparse/emoji/emoji-64.npz .data/emoji/' and carry .data/emoji" >&2
     exit 2
 fi
 
