@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arsparse.loading import load_vq, read_metadata
-from arsparse.training.trainer import load_checkpoint, portable_checkpoint
+from arsparse.training.trainer import portable_checkpoint
 from arsparse.training.vq_trainer import (VQ_RECIPES, VQTrainConfig, export_vq, load_vq_checkpoint,
                                           restart_dead_codes, train_vq, usage_stats, vq_batch, vq_recipe_config)
 
