@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .data.emoji import EMOJI_CLASSES
 from .data.fashion import FASHION_CLASSES
 from .models.config import GPTConfig, gpt_config
 from .models.gpt import GPT
@@ -35,13 +36,20 @@ class Bundle:
     gpt: GPTConfig | None = None
     vq: VQConfig | None = None
     gpt_file: str | None = None
+    vq_file: str | None = None
     seed: int = 0
     cfg_scale: float = 4.0
     class_names: tuple[str, ...] | None = None
+    how_to_get: str = ""
+
+    @property
+    def files(self) -> list[str]:
+        """The weight files this bundle needs under :data:`WEIGHTS_DIR`."""
+        return [f for f in (self.gpt_file, self.vq_file) if f]
 
     @property
     def available(self) -> bool:
-        return self.gpt_file is None or (WEIGHTS_DIR / self.gpt_file).is_file()
+        return all((WEIGHTS_DIR / f).is_file() for f in self.files)
 
     def gpt_config(self) -> GPTConfig:
         if self.gpt is not None:
@@ -55,6 +63,11 @@ BUNDLES: dict[str, Bundle] = {b.name: b for b in [
     Bundle("fashion-c2i", "trained here: Fashion-MNIST, 10 classes, 28x28 one token per pixel (32 grey levels), "
            "17.7M-parameter LlamaGen GPT", gpt_file="fashion-c2i.safetensors", cfg_scale=2.0,
            class_names=FASHION_CLASSES),
+    Bundle("emoji-c2i", "trained here: colour emoji (Google + Twitter styles), 18 classes = category x style, "
+           "64x64 RGB through a VQ trained here (32x32 = 1024 tokens, 1024 codes), 18.5M-parameter LlamaGen GPT",
+           gpt_file="emoji-c2i.safetensors", vq_file="emoji-vq.safetensors", cfg_scale=3.0, class_names=EMOJI_CLASSES,
+           how_to_get="train them on a GPU with docs/models/emoji-train.sh (about 20 minutes on one H200) "
+                      "and copy emoji-c2i.safetensors and emoji-vq.safetensors into that folder"),
     Bundle("random-small", "GPT-small (6 layers, dim 384) + VQ-16 (ch 32), random weights, 16x16 tokens, 256 px",
            gpt_config("GPT-small", image_tokens=256), vq_config("VQ-16", ch=32)),
     Bundle("random-gpt-b", "LlamaGen GPT-B + VQ-16, random weights, 16x16 tokens, 256 px",
@@ -83,11 +96,14 @@ def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype: torch.dtype = tor
         raise ValueError(f"unknown model {name!r}; available: {', '.join(BUNDLES)} (see `arsparse models`)")
     b = BUNDLES[name]
     if not b.available:
-        raise ValueError(f"model {name!r} is listed but its weights are not installed under {WEIGHTS_DIR}")
+        missing = ", ".join(f for f in b.files if not (WEIGHTS_DIR / f).is_file())
+        raise ValueError(f"model {name!r} is listed but its weights are not installed: {missing} missing under "
+                         f"{WEIGHTS_DIR}" + (f"; {b.how_to_get}" if b.how_to_get else ""))
     if b.gpt_file:
         path = WEIGHTS_DIR / b.gpt_file
         gpt = load_gpt(path, device=device, dtype=dtype)
-        return gpt, make_tokenizer(json.loads(read_metadata(path)[TOKENIZER_META])).to(device)
+        tok = make_tokenizer(json.loads(read_metadata(path)[TOKENIZER_META]), base_dir=WEIGHTS_DIR)
+        return gpt, tok.to(device)
     gpt = GPT(b.gpt)
     _random_init(gpt, b.seed)
     vq = VQModel(b.vq)

@@ -1,4 +1,4 @@
-"""The one command line: ``arsparse generate | models | policies | convert | bench | train | eval | analyze | serve``."""
+"""The one command line: ``arsparse generate | models | policies | convert | bench | data | train | eval | analyze | serve``."""
 from __future__ import annotations
 
 import argparse
@@ -187,11 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .analysis.cli import add_analyze_parser
     from .bench import add_bench_parser
+    from .data.cli import add_data_parser
     from .eval.cli import add_eval_parser
     from .serve.cli import add_serve_parser
     from .training.cli import add_train_parser
 
     add_bench_parser(sub)
+    add_data_parser(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
     add_analyze_parser(sub)
@@ -201,12 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "batch_size", 1) < 1:
+    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
         print("arsparse: error: --batch-size must be >= 1", file=sys.stderr)
         return 2
+    from .data import EmojiDataError, FashionDataError
+
     try:
         return args.func(args)
-    except ValueError as e:  # bad input, bad checkpoint: a message, not a traceback
+    except (ValueError, FashionDataError, EmojiDataError, FileNotFoundError, FileExistsError) as e:  # bad input, missing data
         print(f"arsparse: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,7 +18,8 @@ from PIL import Image
 
 from .models.vq import VQConfig, VQModel, check_grid, vq_config
 
-__all__ = ["ImageTokenizer", "VQTokenizer", "PaletteTokenizer", "make_tokenizer", "to_pil", "save_grid"]
+__all__ = ["ImageTokenizer", "VQTokenizer", "PaletteTokenizer", "make_tokenizer", "vq_file_config", "to_pil",
+           "save_grid"]
 
 
 class ImageTokenizer(ABC):
@@ -314,10 +315,40 @@ def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int = 8, padd
     return canvas
 
 
-def make_tokenizer(config: dict[str, Any]) -> ImageTokenizer:
-    """A weight-free tokenizer from its JSON description (``{"type": "palette", "levels": 32}``)."""
+def vq_file_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The tokenizer description that points at a VQ file: its name (relative to the GPT file) and sha256."""
+    import hashlib
+
+    p = os.fspath(path)
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"type": "vq", "file": os.path.basename(p), "sha256": h.hexdigest()}
+
+
+def make_tokenizer(config: dict[str, Any], base_dir: str | os.PathLike | None = None) -> ImageTokenizer:
+    """A tokenizer from its JSON description.
+
+    ``{"type": "palette", "levels": 32}``: a :class:`PaletteTokenizer`.
+    ``{"type": "vq", "file": "emoji-vq.safetensors", "sha256": ...}``: the VQ in that file
+    (relative to ``base_dir``, the folder of the GPT that names it), checked against the hash.
+    """
     kind = config.get("type") if isinstance(config, dict) else None
     if kind == "palette":
         return PaletteTokenizer.from_config(config)
-    raise ValueError(f"cannot build a tokenizer from {config!r}: known types are 'palette' "
-                     "(VQ tokenizers load from their own checkpoint)")
+    if kind == "vq":
+        from .loading import load_vq
+
+        unknown = set(config) - {"type", "file", "sha256"}
+        if unknown or not isinstance(config.get("file"), str):
+            raise ValueError(f"a VQ tokenizer config needs 'file' (and optionally 'sha256'), got {config!r}")
+        path = os.path.join(os.fspath(base_dir) if base_dir is not None else ".", config["file"])
+        if not os.path.isfile(path):
+            raise ValueError(f"the VQ tokenizer file {path} is missing (the GPT was trained with "
+                             f"{config['file']}; put it beside the GPT's weights)")
+        if config.get("sha256") and vq_file_config(path)["sha256"] != config["sha256"]:
+            raise ValueError(f"{path} is not the VQ the GPT was trained with (sha256 differs from "
+                             f"{config['sha256'][:16]}...)")
+        return load_vq(path)
+    raise ValueError(f"cannot build a tokenizer from {config!r}: known types are 'palette' and 'vq'")

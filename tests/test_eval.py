@@ -162,6 +162,42 @@ def test_shipped_classifier_matches_card_and_is_accurate():
     assert classifier_accuracy(model, rgb, labels[idx]) >= 0.85
 
 
+def test_shipped_emoji_classifier_matches_card_and_is_accurate():
+    from arsparse.eval.classifier import CLASSIFIER_FILES
+
+    path = CLASSIFIER_FILES["emoji"]
+    sha = re.search(r"sha256 `([0-9a-f]{64})`", path.with_suffix(".md").read_text()).group(1)
+    assert sha256_file(path) == sha
+    model = load_classifier(dataset="emoji")
+    assert (model.spec.in_channels, model.spec.image_size, model.spec.num_classes) == (3, 64, 18)
+    from arsparse.data.emoji import EmojiDataError, load_emoji
+
+    try:
+        images, labels = load_emoji("test")
+    except EmojiDataError as e:
+        pytest.skip(f"emoji data absent: {e}")
+    idx = torch.randperm(len(images), generator=torch.Generator().manual_seed(fresh_seed()))[:300]
+    assert classifier_accuracy(model, images[idx], labels[idx]) >= 0.7
+    # the same images as the eval holds them: (B, 3, H, W) floats in [-1, 1]
+    floats = images[idx].permute(0, 3, 1, 2).float() / 127.5 - 1
+    torch.testing.assert_close(model.preprocess(floats), model.preprocess(images[idx]))
+
+
+def test_classifier_preprocess_converts_channels_and_sizes():
+    from arsparse.eval.classifier import CLASSIFIER_SPECS, ImageClassifier
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    colour, grey = ImageClassifier(CLASSIFIER_SPECS["emoji"]), ImageClassifier(CLASSIFIER_SPECS["fashion"])
+    rgb = torch.rand(2, 3, 32, 32, generator=g) * 2 - 1
+    assert colour.preprocess(rgb).shape == (2, 3, 64, 64)
+    torch.testing.assert_close(grey.preprocess(rgb), F.interpolate(rgb.mean(1, keepdim=True), size=(28, 28),
+                                                                   mode="area"))
+    g1 = torch.rand(2, 1, 64, 64, generator=g) * 2 - 1
+    torch.testing.assert_close(colour.preprocess(g1), g1.expand(-1, 3, -1, -1))
+    with pytest.raises(ValueError, match="images must be"):
+        colour.preprocess(torch.zeros(2, 5, 64, 64))
+
+
 # ---- the whole eval ----------------------------------------------------------------------------
 def _check_result(res, out, names):
     saved = json.loads((out / "eval.json").read_text())

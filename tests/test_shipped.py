@@ -36,3 +36,40 @@ def test_shipped_fashion_model_fits_held_out_images():
         wrong = gpt.logits((labels[idx] + 5) % 10, tokens)
     bits_wrong = torch.nn.functional.cross_entropy(wrong.flatten(0, 1), tokens.flatten()) / torch.log(torch.tensor(2.0))
     assert bits_wrong > bits + 0.02
+
+
+@pytest.mark.parametrize("name", [n for n, b in BUNDLES.items() if b.gpt_file])
+def test_every_shipped_file_matches_its_card(name):
+    b = BUNDLES[name]
+    if not b.available:
+        pytest.skip(f"{name} weights not installed yet ({', '.join(b.files)}): {b.how_to_get}")
+    card = (WEIGHTS_DIR / b.gpt_file).with_suffix(".md").read_text()
+    for f in b.files:
+        m = re.search(rf"`{re.escape(f)}`[^`]*sha256 `([0-9a-f]{{64}})`", card)
+        assert m, f"{f} has no sha256 in the card"
+        assert hashlib.sha256((WEIGHTS_DIR / f).read_bytes()).hexdigest() == m.group(1)
+    gpt, tok = arsparse.load_model(name)
+    assert gpt.config.model_type == "c2i"
+
+
+def test_shipped_emoji_model_fits_held_out_images():
+    """Held-out emoji, tokenised by the shipped VQ, cost far fewer bits than chance, and more under the wrong class."""
+    if not BUNDLES["emoji-c2i"].available:
+        pytest.skip("emoji-c2i weights not installed yet: " + BUNDLES["emoji-c2i"].how_to_get)
+    from arsparse.data.emoji import EmojiDataError, load_emoji
+    from arsparse.training.datasets import encode_images
+
+    try:
+        images, labels = load_emoji("test")
+    except EmojiDataError as e:
+        pytest.skip(f"emoji data not fetched: {e}")
+    gpt, tok = arsparse.load_model("emoji-c2i")
+    idx = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(0))[:8]
+    tokens = encode_images(tok, images[idx])
+    ln2 = torch.log(torch.tensor(2.0))
+    with torch.no_grad():
+        bits = torch.nn.functional.cross_entropy(gpt.logits(labels[idx], tokens).flatten(0, 1), tokens.flatten()) / ln2
+        wrong = torch.nn.functional.cross_entropy(gpt.logits((labels[idx] + 4) % 18, tokens).flatten(0, 1),
+                                                  tokens.flatten()) / ln2
+    assert bits < 0.6 * torch.log2(torch.tensor(float(tok.vocab_size)))
+    assert wrong > bits

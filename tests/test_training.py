@@ -253,7 +253,10 @@ def test_cli_parser_and_tokenizer_command(tmp_path, capsys):
     assert main(["tokenizer", "--dataset", "fashion", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == {"type": "palette", "levels": 32}
     with pytest.raises(SystemExit):
-        main(["model", "--dataset", "emoji"])
+        main(["model", "--dataset", "mnist"])
+    assert main(["model", "--dataset", "emoji", "--vq", str(tmp_path / "none.safetensors")]) == 2  # no VQ yet
+    assert "train tokenizer --dataset emoji" in capsys.readouterr().err
+    assert main(["model", "--dataset", "fashion", "--vq", "x.safetensors"]) == 2
 
 
 @needs_fashion
@@ -272,3 +275,21 @@ def test_cli_trains_and_resumes_on_fashion(tmp_path, capsys):
     gpt = arsparse.load_gpt(done["model"])
     assert (gpt.config.grid_h, gpt.config.vocab_size, gpt.config.num_classes) == (28, 8, 10)
     assert main(argv[:-1]) == 2  # without --resume an existing checkpoint is refused
+
+
+def test_portable_checkpoint_resumes_elsewhere(tmp_path):
+    """fp16 weights, no optimiser: the step, schedule and batches continue; the weights start from the rounded ones."""
+    from arsparse.training import trainer as T
+
+    tokens, labels = synthetic()
+    half = train_gpt(tiny_cfg(tmp_path / "a"), tokens, labels, stop_after=5)
+    small = T.portable_checkpoint(half.ckpt_path, tmp_path / "b" / "ckpt.pt")
+    ck = load_checkpoint(small)
+    assert ck["optimizer"] is None and ck["step"] == 5
+    full = load_checkpoint(half.ckpt_path)
+    for k, v in full["model"].items():
+        assert torch.equal(ck["model"][k], v.half()) if v.is_floating_point() else torch.equal(ck["model"][k], v)
+    res = train_gpt(tiny_cfg(tmp_path / "b"), tokens, labels, resume=True)
+    assert res.finished and res.step == 10 and res.history["train"][-1]["step"] == 10
+    with pytest.raises(ValueError, match="dtype"):
+        T.portable_checkpoint(half.ckpt_path, tmp_path / "c.pt", dtype="int8")

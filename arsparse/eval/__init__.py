@@ -3,12 +3,13 @@
 - :func:`evaluate` / :class:`EvalConfig`: the whole eval for one model and a list of policies.
 - :func:`teacher_forced_metrics`: NLL (bits/token), KL(dense || policy), top-1 agreement.
 - :func:`frechet_distance`, :func:`feature_stats`: the Fréchet distance between fitted Gaussians.
-- :class:`FashionClassifier`, :func:`load_classifier`: the shipped Fashion-MNIST feature classifier.
+- :class:`ImageClassifier`, :func:`load_classifier`: the shipped feature classifiers (fashion, emoji).
 - :class:`MobileNetV2`, :func:`load_mobilenet`, :class:`MobileNetFeatures`: ImageNet features.
 - :func:`add_eval_parser`: the ``eval`` subcommand for the main command line.
 """
-from .classifier import CLASSIFIER_FILE, FashionClassifier, load_classifier
-from .evaluate import EvalConfig, HeldOut, build_policies, evaluate, teacher_forced_metrics, write_report
+from .classifier import CLASSIFIER_FILE, CLASSIFIER_FILES, FashionClassifier, ImageClassifier, load_classifier
+from .evaluate import (EvalConfig, HeldOut, build_policies, emoji_heldout, evaluate, fashion_heldout,
+                       teacher_forced_metrics, write_report)
 from .frechet import feature_stats, frechet_distance, frechet_from_features
 from .mobilenet import MobileNetFeatures, MobileNetV2, find_mobilenet_weights, load_mobilenet
 
@@ -20,7 +21,8 @@ def add_eval_parser(subparsers):
     return add(subparsers)
 
 
-__all__ = ["CLASSIFIER_FILE", "EvalConfig", "FashionClassifier", "HeldOut", "MobileNetFeatures", "MobileNetV2",
+__all__ = ["CLASSIFIER_FILE", "CLASSIFIER_FILES", "EvalConfig", "FashionClassifier", "HeldOut", "ImageClassifier",
+           "emoji_heldout", "fashion_heldout", "MobileNetFeatures", "MobileNetV2",
            "add_eval_parser", "build_policies", "evaluate", "feature_stats", "find_mobilenet_weights",
            "frechet_distance", "frechet_from_features", "load_classifier", "load_mobilenet",
            "teacher_forced_metrics", "write_report"]

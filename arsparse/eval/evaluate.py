@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .frechet import feature_stats, frechet_distance
 
 __all__ = ["EvalConfig", "HeldOut", "build_policies", "evaluate", "teacher_forced_metrics", "write_report",
-           "model_dataset", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
+           "model_dataset", "emoji_heldout", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
 
 LN2 = math.log(2.0)
 DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa")
@@ -131,6 +131,21 @@ def fashion_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
     return HeldOut(labels, tokens, "Fashion-MNIST test split", floor_tokens)
 
 
+def emoji_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
+    """The held-out emoji (both styles) through the VQ; ``floor`` random training emoji for the Fréchet floor."""
+    from ..data.emoji import load_emoji
+    from ..training.datasets import emoji_tokens, encode_images
+
+    tokens, labels = emoji_tokens("test", tokenizer, root=root, progress=False)
+    floor_tokens = None
+    if floor:
+        images, _ = load_emoji("train", cache_dir=root)
+        pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:floor]
+        floor_tokens = encode_images(tokenizer, images[pick])
+    return HeldOut(labels, tokens, f"emoji held-out split ({len(tokens)} images: 10 % of the emoji by a hash of "
+                   "their code, in both styles)", floor_tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layout, n_layer: int = 1,
                    n_head: int = 1) -> tuple[dict[str, Any], dict]:
@@ -220,12 +235,10 @@ class _Features:
 
     @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> dict[str, np.ndarray]:
-        from .classifier import to_classifier_input
-
         out = {}
         x = images.to(self.device)
         if self.classifier is not None:
-            f = self.classifier.features(to_classifier_input(x))
+            f = self.classifier.features(self.classifier.preprocess(x))
             out["classifier"] = f.double().cpu().numpy()
             out["pred"] = self.classifier.head(f).argmax(-1).cpu().numpy()
         if self.mobilenet is not None:

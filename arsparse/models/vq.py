@@ -364,6 +364,9 @@ class VectorQuantizer(nn.Module):
             if l2_norm:
                 self.embedding.weight.copy_(F.normalize(self.embedding.weight, dim=-1))
         self.register_buffer("codebook_used", torch.zeros(CODEBOOK_USAGE_WINDOW))
+        #: Update ``codebook_used`` and return ``usage`` in training mode (it synchronises a GPU
+        #: every step; a trainer that counts codes itself turns it off).
+        self.track_usage = True
 
     def codes(self) -> torch.Tensor:
         """The (normalised, if ``l2_norm``) codebook, ``(K, D)``."""
@@ -398,7 +401,8 @@ class VectorQuantizer(nn.Module):
         indices : torch.Tensor
             ``(B, h*w)`` code ids in raster order.
         losses : dict
-            ``{"codebook", "commit", "usage"}`` in training mode, else empty.
+            ``{"codebook", "commit", "usage"}`` in training mode (``usage`` only with
+            ``track_usage``), else empty.
         """
         b, d, h, w = z.shape
         if d != self.embed_dim:
@@ -413,7 +417,8 @@ class VectorQuantizer(nn.Module):
         if self.training:
             losses["codebook"] = F.mse_loss(z_q, z.detach())
             losses["commit"] = self.beta * F.mse_loss(z, z_q.detach())
-            losses["usage"] = self._record_usage(idx)
+            if self.track_usage:
+                losses["usage"] = self._record_usage(idx)
         if z.requires_grad:
             z_q = z + (z_q - z).detach()  # straight-through estimator
         z_q = z_q.reshape(b, h, w, d).permute(0, 3, 1, 2)  # (B, D, h, w)

@@ -1,11 +1,12 @@
-"""``arsparse train model | tokenizer``: train the models arsparse ships.
+"""``arsparse train model | tokenizer | classifier | export``: train the models arsparse ships.
 
 Also runnable alone: ``python -m arsparse.training.cli model --dataset fashion ...``.
 
-Training is resumable: ``model`` writes ``<out>/ckpt.pt`` every ``--ckpt-every`` steps and
-before ``--time-limit`` seconds have passed; run the same command with ``--resume`` again and
-it continues where it stopped (and starts fresh when there is no checkpoint yet), until the
-last step, when it writes ``<out>/model.safetensors`` and ``<out>/train_log.json``.
+Training is resumable: ``model`` and ``tokenizer`` write ``<out>/ckpt.pt`` every ``--ckpt-every``
+steps and before ``--time-limit`` seconds have passed; run the same command with ``--resume``
+again and it continues where it stopped (and starts fresh when there is no checkpoint yet), until
+the last step, when it writes the weights (``model.safetensors`` / ``<vq>.safetensors``) and
+``train_log.json``.
 """
 from __future__ import annotations
 
@@ -32,38 +33,69 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 1.5,3, got {text!r}") from None
+
+
 def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _tokenizer_config(ds, recipe: dict, levels: int | None) -> dict:
-    if ds.tokenizer_kind != "palette":
-        raise ValueError(f"dataset {ds.name!r} needs a trained VQ tokenizer, and VQ tokenizer training is not "
-                         "written yet (arsparse train tokenizer only handles palette data sets so far)")
+def _palette_config(ds, recipe: dict, levels: int | None) -> dict:
     tok = dict(recipe.get("tokenizer") or {"type": "palette", "levels": 256})
     if levels is not None:
         tok["levels"] = levels
     return tok
 
 
+def _vq_path(ds, given: str | None) -> Path:
+    from .vq_trainer import VQ_RECIPES
+
+    if given:
+        return Path(given)
+    r = VQ_RECIPES[ds.tokenizer_recipe]
+    return Path("out") / ds.tokenizer_recipe / f"{r['name']}.safetensors"
+
+
 def cmd_train_model(args) -> int:
+    from ..loading import load_vq
+    from ..tokenizers import vq_file_config
     from .datasets import DATASETS, load_token_dataset, make_tokenizer
     from .trainer import RECIPES, recipe_config, train_gpt
 
     ds = DATASETS[args.dataset]
     recipe = RECIPES[ds.recipe]
-    tok_cfg = _tokenizer_config(ds, recipe, args.levels)
-    tokenizer = make_tokenizer(tok_cfg)
+    device = args.device or _default_device()
+    grid = {}
+    if ds.tokenizer_kind == "palette":
+        if args.vq:
+            raise ValueError(f"dataset {ds.name!r} is tokenised one token per pixel: --vq does not apply")
+        tok_cfg = _palette_config(ds, recipe, args.levels)
+        tokenizer = make_tokenizer(tok_cfg)
+    else:
+        if args.levels is not None:
+            raise ValueError(f"--levels is for palette data sets; {ds.name!r} is tokenised by a VQ (--vq)")
+        vq = _vq_path(ds, args.vq)
+        if not vq.is_file():
+            raise FileNotFoundError(f"VQ tokenizer {vq} not found: train it first with "
+                                    f"`arsparse train tokenizer --dataset {ds.name}` (or give --vq PATH)")
+        tokenizer = load_vq(vq).to(device)
+        tok_cfg = vq_file_config(vq)
+        side = ds.image_size // tokenizer.downsample
+        grid = dict(grid_h=side, grid_w=side)
     out = args.out or str(Path("out") / ds.recipe)
     cfg = recipe_config(
         ds.recipe, out, preset=args.preset, dim=args.dim, n_layer=args.layers, n_head=args.heads,
         vocab_size=tokenizer.vocab_size, tokenizer=tok_cfg, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, warmup=args.warmup, seed=args.seed, hflip=True if args.hflip else None,
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
-        eval_every=args.eval_every, eval_samples=args.eval_samples, device=args.device or _default_device(),
-        progress=not args.quiet,
+        eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
+        progress=not args.quiet, **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
@@ -80,21 +112,90 @@ def cmd_train_tokenizer(args) -> int:
     from .trainer import RECIPES
 
     ds = DATASETS[args.dataset]
-    tok_cfg = _tokenizer_config(ds, RECIPES[ds.recipe], args.levels)
-    make_tokenizer(tok_cfg)  # validates
-    out = Path(args.out or Path("out") / ds.recipe)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "tokenizer.json"
-    path.write_text(json.dumps(tok_cfg, indent=1) + "\n")
-    print(f"{args.dataset}: a palette tokenizer has no weights to train; wrote its config {tok_cfg} to {path}")
+    if ds.tokenizer_kind == "palette":
+        tok_cfg = _palette_config(ds, RECIPES[ds.recipe], args.levels)
+        make_tokenizer(tok_cfg)  # validates
+        out = Path(args.out or Path("out") / ds.recipe)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "tokenizer.json"
+        path.write_text(json.dumps(tok_cfg, indent=1) + "\n")
+        print(f"{args.dataset}: a palette tokenizer has no weights to train; wrote its config {tok_cfg} to {path}")
+        return 0
+    if args.levels is not None:
+        raise ValueError(f"--levels is for palette data sets; {ds.name!r} trains a VQ")
+    return _train_vq(args, ds)
+
+
+def _train_vq(args, ds) -> int:
+    from .vq_trainer import train_vq, vq_recipe_config
+
+    cfg = vq_recipe_config(
+        ds.tokenizer_recipe, args.out or str(Path("out") / ds.tokenizer_recipe), ch=args.ch,
+        codebook_size=args.codebook_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup=args.warmup, seed=args.seed, restart_every=args.restart_every,
+        compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
+        eval_every=args.eval_every, eval_samples=args.eval_samples, device=args.device or _default_device(),
+        progress=not args.quiet)
+    from ..data.emoji import load_emoji
+
+    images, _ = load_emoji("train", cache_dir=args.data_root, fetch=True)
+    val, _ = load_emoji("test", cache_dir=args.data_root)
+    r = train_vq(cfg, images, val, resume=args.resume, stop_after=args.stop_after, started_at=_T0)
+    print(json.dumps({"finished": r.finished, "step": r.step, "steps": cfg.steps, "ckpt": str(r.ckpt_path),
+                      "vq": str(r.vq_path) if r.vq_path else None, "final_val": r.final_val}))
     return 0
 
 
+def cmd_train_classifier(args) -> int:
+    from ..eval.classifier import run
+
+    return run(args)
+
+
+def cmd_train_export(args) -> int:
+    from .card import export_bundle
+
+    files = export_bundle(args.model, args.gpt_dir, args.vq_dir, args.out, commands=args.command,
+                          cfg_scales=args.cfg_scales, device=args.device, rows=args.rows, seed=args.seed,
+                          progress=not args.quiet)
+    for kind, path in files.items():
+        print(f"{kind:>10}: {path}")
+    return 0
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """--out, --resume, --device, --time-limit, --stop-after: the resumable-run flags of model and tokenizer."""
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <out>/ckpt.pt if it exists (else start fresh); without it an existing "
+                        "checkpoint is an error")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
+                   help="stop with a checkpoint before this many seconds since start (e.g. 540 in a 10-minute slot)")
+    p.add_argument("--stop-after", type=positive_int, metavar="STEPS", help="stop with a checkpoint after this many steps")
+    p.add_argument("--data-root", help="folder holding the dataset's files (default: $ARSPARSE_DATA/<name>, "
+                                       "then the system package's folder or ~/.cache/arsparse/<name>)")
+    p.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
+
+
+def _add_opt_args(g) -> None:
+    g.add_argument("--steps", type=positive_int)
+    g.add_argument("--batch-size", type=positive_int)
+    g.add_argument("--lr", type=_positive_float)
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    g.add_argument("--ckpt-every", type=positive_int)
+    g.add_argument("--eval-every", type=positive_int)
+    g.add_argument("--eval-samples", type=positive_int, help="validation images per evaluation (default: all)")
+
+
 def _add_subcommands(parser: argparse.ArgumentParser) -> None:
+    from ..eval.classifier import CLASSIFIER_SPECS
     from .datasets import DATASETS
     from .trainer import RECIPES
+    from .vq_trainer import VQ_RECIPES
 
-    sub = parser.add_subparsers(dest="train_command", required=True, metavar="{model,tokenizer}")
+    sub = parser.add_subparsers(dest="train_command", required=True, metavar="{model,tokenizer,classifier,export}")
     names = sorted(DATASETS)
     ds_help = "; ".join(f"{d.name}: {d.description}" for d in DATASETS.values())
 
@@ -104,16 +205,13 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                     + ", ".join(f"{d.name} -> {d.recipe}" for d in DATASETS.values()) + "). The run writes "
                     "<out>/ckpt.pt as it goes and stops cleanly before --time-limit; rerun the same command with "
                     "--resume to continue. At the end it writes <out>/model.safetensors (loads with "
-                    "arsparse.load_gpt(path)) and <out>/train_log.json.")
-    m.add_argument("--dataset", choices=names, default=names[0], help=ds_help)
+                    "arsparse.load_gpt(path)) and <out>/train_log.json. VQ data sets (emoji) are tokenised once "
+                    "with --vq (cached beside the data).")
+    m.add_argument("--dataset", choices=names, default="fashion", help=ds_help)
     m.add_argument("--out", help="output folder (default: out/<recipe>)")
-    m.add_argument("--resume", action="store_true",
-                   help="continue from <out>/ckpt.pt if it exists (else start fresh); without it an existing "
-                        "checkpoint is an error")
-    m.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
-    m.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
-                   help="stop with a checkpoint before this many seconds since start (e.g. 540 in a 10-minute slot)")
-    m.add_argument("--stop-after", type=positive_int, metavar="STEPS", help="stop with a checkpoint after this many steps")
+    m.add_argument("--vq", help="VQ tokenizer (.safetensors) for VQ data sets (default: "
+                                "out/<tokenizer recipe>/<name>.safetensors, e.g. out/emoji-vq/emoji-vq.safetensors)")
+    _add_run_args(m)
     g = m.add_argument_group("model (defaults from the recipe)")
     g.add_argument("--preset", help="GPT size preset the overrides apply to")
     g.add_argument("--dim", type=positive_int)
@@ -121,52 +219,85 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=positive_int)
     g.add_argument("--levels", type=positive_int, help="grey levels of the palette tokenizer = vocabulary (2..256)")
     g = m.add_argument_group("optimisation (defaults from the recipe)")
-    g.add_argument("--steps", type=positive_int)
-    g.add_argument("--batch-size", type=positive_int)
-    g.add_argument("--lr", type=_positive_float)
-    g.add_argument("--warmup", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--hflip", action="store_true", help="flip half of each batch left to right")
-    g.add_argument("--compile", action="store_true", help="torch.compile the loss (off by default)")
-    g.add_argument("--ckpt-every", type=positive_int)
-    g.add_argument("--eval-every", type=positive_int)
-    g.add_argument("--eval-samples", type=positive_int, help="validation images per evaluation (default: all)")
-    m.add_argument("--data-root", help="folder holding the dataset's files (default: $ARSPARSE_DATA/<name>, "
-                                       "then the system package's folder)")
-    m.add_argument("--quiet", action="store_true", help="plain log lines instead of a progress bar")
+    _add_opt_args(g)
+    g.add_argument("--hflip", action="store_true", help="flip half of each batch's token grids left to right "
+                                                        "(palette tokenizers only)")
     m.set_defaults(func=cmd_train_model)
 
     t = sub.add_parser(
-        "tokenizer", help="train (or write) the dataset's image tokenizer",
-        description="Palette datasets (one token per pixel, e.g. fashion) have no tokenizer weights: this writes "
-                    "the palette config to <out>/tokenizer.json. Training a VQ tokenizer (for RGB datasets such "
-                    "as emoji) is not written yet; such datasets fail here with a clear error.")
-    t.add_argument("--dataset", choices=names, default=names[0], help=ds_help)
-    t.add_argument("--out", help="output folder (default: out/<recipe>)")
+        "tokenizer", help="train the dataset's VQ tokenizer (resumable), or write a palette config",
+        description="VQ datasets (emoji): train a LlamaGen-layout VQ with the dataset's tokenizer recipe ("
+                    + ", ".join(VQ_RECIPES) + "): pixel L1 + L2, codebook and commitment losses, dead-code "
+                    "restarts; resumable like `train model`; at the end <out>/<name>.safetensors (loads with "
+                    "arsparse.load_vq(path)). Palette datasets (fashion) have no weights to train: this writes "
+                    "the palette config to <out>/tokenizer.json.")
+    t.add_argument("--dataset", choices=names, default="fashion", help=ds_help)
+    t.add_argument("--out", help="output folder (default: out/<tokenizer recipe> or out/<recipe> for palettes)")
     t.add_argument("--levels", type=positive_int, help="grey levels of the palette tokenizer (2..256)")
+    _add_run_args(t)
+    g = t.add_argument_group("VQ (defaults from the tokenizer recipe)")
+    g.add_argument("--ch", type=positive_int, help="base channels (a multiple of 32)")
+    g.add_argument("--codebook-size", type=positive_int)
+    g.add_argument("--restart-every", type=int, help="steps between dead-code restarts (0: none)")
+    _add_opt_args(g)
     t.set_defaults(func=cmd_train_tokenizer)
-    parser.epilog = "recipes: " + ", ".join(RECIPES)
+
+    c = sub.add_parser(
+        "classifier", help="train a data set's feature classifier for `arsparse eval` (CPU: minutes)",
+        description="Train the small CNN whose features give the eval's fd_classifier and whose predictions give "
+                    "class_accuracy. Writes the .safetensors (default: the shipped file under arsparse/weights) "
+                    "and a .json summary beside it.")
+    c.add_argument("--dataset", choices=sorted(CLASSIFIER_SPECS), default="fashion")
+    c.add_argument("--out", help="output .safetensors (default: arsparse/weights/<dataset>-classifier.safetensors)")
+    c.add_argument("--epochs", type=positive_int, help="default: 6 for fashion, 15 for emoji")
+    c.add_argument("--batch", type=positive_int, default=128)
+    c.add_argument("--lr", type=_positive_float, default=3e-3)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default="cpu")
+    c.set_defaults(func=cmd_train_classifier)
+
+    e = sub.add_parser(
+        "export", help="ship a trained VQ model: bundle files, sample grids, train logs and a model card",
+        description="From finished `train tokenizer` and `train model` folders, write into --out the bundle's "
+                    "weights under their shipped names, sample grids (one column per class) at several guidance "
+                    "scales, the train logs and the model card. Then move the .safetensors and the .md to "
+                    "arsparse/weights/ and the .png and .json files to docs/models/.")
+    e.add_argument("--model", default="emoji-c2i", help="bundle name (default: emoji-c2i)")
+    e.add_argument("--gpt-dir", default="out/emoji-c2i", help="finished `train model` folder")
+    e.add_argument("--vq-dir", default="out/emoji-vq", help="finished `train tokenizer` folder")
+    e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--command", action="append", default=[], help="a training command for the card (repeatable)")
+    e.add_argument("--cfg-scales", type=_float_list, default=[1.5, 3.0, 5.0],
+                   help="guidance scales of the extra grids (the bundle's own is always made)")
+    e.add_argument("--rows", type=positive_int, default=4, help="samples per class in each grid")
+    e.add_argument("--seed", type=int, default=100)
+    e.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_train_export)
+    parser.epilog = "recipes: " + ", ".join(RECIPES) + "; tokenizer recipes: " + ", ".join(VQ_RECIPES)
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``train {model,tokenizer}`` to an ``argparse`` subparsers object; returns the ``train`` parser.
+    """Add ``train {model,tokenizer,classifier,export}`` to an ``argparse`` subparsers object.
 
     Each leaf sets ``func`` (``args.func(args) -> int``), as the other ``arsparse`` commands.
     """
-    p = subparsers.add_parser("train", help="train the GPT (and tokenizer) on a dataset from a package registry",
+    p = subparsers.add_parser("train", help="train the GPT, its tokenizer or the eval classifier; export a bundle",
                               description=__doc__.split("\n\n")[0])
     _add_subcommands(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..data import EmojiDataError, FashionDataError
+
     parser = argparse.ArgumentParser(prog="python -m arsparse.training.cli",
                                      description="Same as `arsparse train`: " + __doc__.split("\n\n")[0])
     _add_subcommands(parser)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileExistsError, FileNotFoundError, FashionDataError, EmojiDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
