@@ -115,15 +115,14 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
                         row = _time_one(gen, B, cfg_scale, seed, budget, wbytes, bw, eb, profile)
                         break
                     except torch.OutOfMemoryError:
-                        gen._runner = None
-                        torch.cuda.empty_cache()
+                        gen.release()
                         if want != "max" or attempt == 3:
                             raise
                         B = int(B * 0.9)  # the estimate missed some workspace: back off
                 rows_out.append(BenchRow(policy=spec, kernel=kernel, max_batch=want == "max", **row))
                 if out:
                     Path(out).write_text(json.dumps(result(), indent=2))  # partial results survive a crash
-            gen._runner = None
+            gen.release()
     return result()
 
 
@@ -132,8 +131,7 @@ def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbyte
     """One full generation of B images after a short warm-up; the fields of a BenchRow."""
     device, cfg = gen.device, gen.config
     N = cfg.image_tokens
-    gen._runner = None
-    torch.cuda.empty_cache()
+    gen.release()
     cond = torch.arange(B) % cfg.num_classes
     torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The generation engine: static cache, guidance, sampling without host syncs, CUDA graphs."""
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -238,11 +239,17 @@ class Generator:
         self.gpt.check_cond(cond)
         return cond.to(self.device)
 
+    def release(self) -> None:
+        """Free the captured step and its cache now (a compiled runner sits in a reference cycle,
+        which plain ``del`` leaves to the garbage collector)."""
+        self._runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _runner_for(self, plan: _Plan) -> _Runner:
         if self._runner is None or self._runner.plan != plan:
-            self._runner = None  # free the old cache before allocating the new one
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.release()  # free the old cache before allocating the new one
             self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self.compile,
                                    self.policy)
         return self._runner
