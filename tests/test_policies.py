@@ -243,3 +243,28 @@ def test_offset_budget_read_is_the_mean_read_set(spec):
     lay = Layout(3, 7, 9)
     want = [len(pol.read_positions(lay, q)) for q in range(3, 3 + lay.image_tokens - 1)]
     assert pol.budget(lay).read == pytest.approx(sum(want) / len(want), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["h2o:rho=0.4", "tova:rho=0.4", "headkv:rho=0.7", "lines:rho=0.9"])
+def test_scored_cache_bookkeeping_traced_equals_eager(name):
+    """SlotKVCache.fuse (what the engine's compile mode does): traced by dynamo, same logits and same kept set."""
+    from functools import partial
+
+    gpt = random_gpt("c2i", seed=12, n_kv_head=2)
+    pname, _, arg = name.partition(":")
+    pol = policies.get(pname, **policies.parse_args([arg])).prepare(gpt)
+    cond = random_cond(gpt, 2, seed=3)
+    tokens = torch.randint(0, gpt.config.vocab_size, (2, gpt.config.image_tokens), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for fuse in (False, True):
+        run = _Runner(gpt, _Plan(2, False, 0, False), torch.device("cpu"), False, policy=pol)
+        if fuse:
+            run.cache.fuse(partial(torch.compile, backend="eager", dynamic=False))
+        with torch.no_grad():
+            logits = [run.prefill_logits(cond)]
+            for t in range(1, tokens.shape[1]):
+                run.cur.copy_(tokens[:, t - 1])
+                logits.append(run.step_logits())
+        outs.append((torch.stack(logits, 1), run.cache.spos.clone()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[1][1], outs[0][1])

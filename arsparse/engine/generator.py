@@ -102,6 +102,8 @@ class _Runner:
         self.graph = None
         if compile_step:  # the sampling's many element-wise ops as a few kernels (the blocks: GPT.fuse)
             self._sample = torch.compile(self._sample, dynamic=False)
+            if hasattr(self.cache, "fuse"):  # e.g. a scored policy's score/evict bookkeeping
+                self.cache.fuse(partial(torch.compile, dynamic=False))
         if use_graphs:
             self._capture()
 

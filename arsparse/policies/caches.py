@@ -178,29 +178,38 @@ class SlotKVCache(_PromptCache):
                 t[layer].zero_()
             return self._prefill(layer, q, k, v)
         kc, vc, spos, score = self.k[layer], self.v[layer], self.spos[layer], self.score[layer]
+        self._write(kc, vc, spos, score, k, v)
+        # 2. attend over the prompt and the occupied slots; w_slots (B, Hkv, C): the slots' weights
+        # summed over the query heads of each kv head.
+        out, w_slots = self._attend_slots(q[:, :, 0], self.pk[layer], self.pv[layer], kc, vc, spos)
+        stats = {name: t[layer] for name, t in self.stats.items()}
+        self._bookkeep(spos, score, self.head_cap[layer], stats, w_slots)
+        return out.unsqueeze(2)
+
+    def fuse(self, compiler) -> None:
+        """Run the write and the score/evict bookkeeping through ``compiler`` (e.g. ``torch.compile``):
+        a few fused kernels instead of dozens of small ones per layer."""
+        self._write, self._bookkeep = compiler(self._write), compiler(self._bookkeep)
+
+    def _write(self, kc, vc, spos, score, k, v) -> None:
+        """1. the new token into the first free slot of each (row, kv head)."""
         B, Hkv, C, D = kc.shape
-        # 1. write the new token into the first free slot.
         slot = (spos < 0).to(torch.int8).argmax(-1, keepdim=True)  # (B, Hkv, 1)
         kc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
         vc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
         spos.scatter_(2, slot, self.pos.expand(B, Hkv, 1))
         score.scatter_(2, slot, torch.zeros(B, Hkv, 1, device=score.device))
-        # 2. attend over the prompt and the occupied slots; w_slots (B, Hkv, C): the slots' weights
-        # summed over the query heads of each kv head.
-        out, w_slots = self._attend_slots(q[:, :, 0], self.pk[layer], self.pv[layer], kc, vc, spos)
-        out = out.unsqueeze(2)
-        # 3. update the scores (and the per-head capacities); 4. evict where over capacity.
+
+    def _bookkeep(self, spos, score, cap, stats, w_slots) -> None:
+        """3. update the scores (and the per-head capacities ``cap`` (B, Hkv)); 4. evict over capacity."""
         pol, lay = self.policy, self.layout
         score.copy_(torch.where(spos >= 0, pol.update(score, w_slots, spos, self.pos, lay), score))
-        cap = self.head_cap[layer]  # (B, Hkv)
-        stats = {name: t[layer] for name, t in self.stats.items()}
         new_cap = pol.update_capacity(cap, stats, w_slots / self.G, spos, self.pos, lay)
         if new_cap is not cap:
             cap.copy_(new_cap)
         evictable = (spos >= 0) & ~pol.protected(spos, self.pos, lay)
         excess = (spos >= 0).sum(-1, keepdim=True) - cap[..., None]  # (B, Hkv, 1)
         spos.masked_fill_(pol.evict(score, spos, evictable, excess, stats, lay), -1)
-        return out
 
 
 class MaskedAttention:
