@@ -63,7 +63,8 @@ def test_resume_reaches_the_same_weights(tmp_path):
 
 def test_time_limit_stops_with_a_checkpoint(tmp_path):
     x = shapes()
-    res = train_vq(tiny(tmp_path, time_limit_s=1e-3), x)
+    with pytest.warns(UserWarning, match="no training step fitted"):
+        res = train_vq(tiny(tmp_path, time_limit_s=1e-3), x)
     assert not res.finished and res.ckpt_path.is_file() and res.step == 0
     res = train_vq(tiny(tmp_path, time_limit_s=None), x)
     assert res.finished and res.step == 8

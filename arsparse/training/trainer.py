@@ -23,9 +23,7 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from ..checkpoint import save_safetensors
 from ..loading import config_metadata
 from ..models.config import GPT_PRESETS, GPTConfig, gpt_config
 from ..models.gpt import GPT
+from .loop import CKPT_NAME, LOG_NAME, TrainLoop, atomic_torch_save, lr_at, run_device, start_clock, write_json
 
 __all__ = [
     "CKPT_NAME",
@@ -55,15 +54,10 @@ __all__ = [
     "train_gpt",
 ]
 
-CKPT_NAME, LOG_NAME, MODEL_NAME = "ckpt.pt", "train_log.json", "model.safetensors"
+MODEL_NAME = "model.safetensors"
 CKPT_FORMAT = "arsparse-train/1"
 LN2 = math.log(2.0)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-#: Fields that may differ between a checkpoint and the config that resumes it (they do not
-#: change what is computed). ``steps`` may change too, with a warning (the schedule stretches).
-RESUMABLE_CHANGES = frozenset({"out_dir", "device", "time_limit_s", "ckpt_every", "eval_every", "log_every",
-                               "eval_samples", "compile", "progress", "export_dtype", "steps"})
 
 
 def check_run_fields(cfg, bad) -> None:
@@ -314,16 +308,6 @@ class TrainResult:
 
 # ---- pieces -------------------------------------------------------------------------------------
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Learning rate of update number ``step`` (0-based): linear warm-up, then cosine decay."""
-    if cfg.warmup and step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    span = max(1, cfg.steps - cfg.warmup)
-    t = min(1.0, (step - cfg.warmup) / span)
-    lo = cfg.lr * cfg.min_lr_ratio
-    return lo + 0.5 * (cfg.lr - lo) * (1.0 + math.cos(math.pi * t))
-
-
 def _seed_of(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
@@ -419,18 +403,6 @@ def _compact(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return tokens.to(torch.uint8 if vocab <= 256 else torch.int32)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a training checkpoint written by :func:`train_gpt` (on CPU, ``weights_only``)."""
     p = Path(path)
@@ -440,24 +412,6 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise ValueError(f"{p} is not an arsparse training checkpoint (format {CKPT_FORMAT!r})")
     return ckpt
-
-
-def out_of_time(time_limit_s: float | None, t_start: float, step_time: float | None, save_time: float,
-                eval_time: float = 0.0) -> bool:
-    """Whether the next step, an evaluation due after it and a checkpoint would overrun the time limit."""
-    if time_limit_s is None:
-        return False
-    reserve = 2 * (step_time or 0.0) + save_time + eval_time + 1.0
-    return time.monotonic() - t_start + reserve >= time_limit_s
-
-
-def load_optimizer(opt: torch.optim.Optimizer, ckpt: dict, progress: bool) -> None:
-    """Restore the optimiser state of a checkpoint; a portable one (:func:`portable_checkpoint`) has none."""
-    if ckpt.get("optimizer") is not None:
-        opt.load_state_dict(ckpt["optimizer"])
-    else:
-        _log(f"the checkpoint is a portable one (no optimiser state): AdamW moments restart from zero at step "
-             f"{ckpt['step']}", progress)
 
 
 def portable_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "fp16") -> Path:
@@ -477,13 +431,8 @@ def portable_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
     ckpt["optimizer"] = None
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(ckpt, out)
+    atomic_torch_save(ckpt, out)
     return out
-
-
-def _config_diff(old: dict, new: dict) -> dict[str, tuple]:
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if k not in RESUMABLE_CHANGES and old.get(k) != new.get(k)}
 
 
 @torch.no_grad()
@@ -502,14 +451,6 @@ def evaluate(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch_size:
         count += x.numel()
     model.train(was_training)
     return float(total) / max(count, 1) / LN2
-
-
-def _log(msg: str, progress: bool) -> None:
-    if progress:
-        from tqdm.auto import tqdm
-        tqdm.write(msg, file=sys.stderr)
-    else:
-        print(msg, file=sys.stderr, flush=True)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -542,9 +483,7 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     -------
     TrainResult
     """
-    t_start = time.monotonic() if started_at is None else started_at
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
-        raise ValueError(f"stop_after must be a positive int or None, got {stop_after!r}")
+    t_start = start_clock(started_at, stop_after)
     _check_data(cfg, tokens, labels, "training")
     if (val_tokens is None) != (val_labels is None):
         raise ValueError("give both val_tokens and val_labels, or neither")
@@ -556,12 +495,7 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     if n < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the training set ({n} rows)")
 
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_path, log_path, model_path = out / CKPT_NAME, out / LOG_NAME, out / MODEL_NAME
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {cfg.device!r} asked for, but CUDA is not available")
+    device = run_device(cfg)
     bf16 = cfg.use_bf16()
     data_id = _fingerprint(_compact(tokens, cfg.vocab_size), labels,
                            None if val_tokens is None else _compact(val_tokens, cfg.vocab_size), val_labels)
@@ -571,175 +505,61 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     model = GPT(gcfg)
     init_weights(model, cfg.seed)
     model.to(device).train()
-    fused = device.type == "cuda"
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                            **({"fused": True} if fused else {}))
-    history: dict[str, list] = {"train": [], "val": []}
-    step, train_time = 0, 0.0
+                            **({"fused": True} if device.type == "cuda" else {}))
+    loop = TrainLoop(cfg, model, opt, t_start=t_start, stop_after=stop_after, fmt=CKPT_FORMAT, data_id=data_id,
+                     arch=("gpt_config", asdict(gcfg)), history={"train": [], "val": []})
+    loop.resume(resume, load_checkpoint, same="data set and tokenizer")
 
-    if ckpt_path.exists():
-        if not resume:
-            raise FileExistsError(f"{ckpt_path} exists: resume from it (resume=True / --resume) or choose another out_dir")
-        ckpt = load_checkpoint(ckpt_path)
-        diff = _config_diff(ckpt["config"], cfg.to_dict())
-        if diff:
-            lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{ckpt_path} was made with another config; resume with the same settings "
-                             f"or choose another out_dir:\n{lines}")
-        if ckpt["data_id"] != data_id:
-            raise ValueError(f"{ckpt_path} was trained on other data (fingerprint {ckpt['data_id'][:12]}, "
-                             f"now {data_id[:12]}); resume with the same data set and tokenizer")
-        if ckpt["config"]["steps"] != cfg.steps:
-            warnings.warn(f"steps changed from {ckpt['config']['steps']} to {cfg.steps}: the cosine schedule "
-                          f"is stretched from step {ckpt['step']} on", stacklevel=2)
-        model.load_state_dict(ckpt["model"], strict=True)
-        load_optimizer(opt, ckpt, cfg.progress)
-        step, train_time, history = int(ckpt["step"]), float(ckpt["train_time_s"]), ckpt["history"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        _log(f"resumed from {ckpt_path} at step {step}/{cfg.steps}", cfg.progress)
-        del ckpt
-    elif resume:
-        _log(f"no checkpoint at {ckpt_path}: starting from step 0", cfg.progress)
-
-    n_params = sum(p.numel() for p in model.parameters())
-    size_mb = n_params * _DTYPES[cfg.export_dtype].itemsize / 1e6
-    if step == 0:
-        _log(f"training {gcfg.n_layer} layers x dim {gcfg.dim} ({n_params / 1e6:.2f} M parameters, "
-             f"{size_mb:.1f} MB as {cfg.export_dtype}), vocab {gcfg.vocab_size}, {gcfg.grid_h}x{gcfg.grid_w} "
-             f"tokens, {n} training rows, {cfg.steps} steps of {cfg.batch_size} on {device}"
-             f"{' (bf16 autocast)' if bf16 else ''}", cfg.progress)
+    if loop.step == 0:
+        size_mb = loop.num_params * _DTYPES[cfg.export_dtype].itemsize / 1e6
+        loop.log(f"training {gcfg.n_layer} layers x dim {gcfg.dim} ({loop.num_params / 1e6:.2f} M parameters, "
+                 f"{size_mb:.1f} MB as {cfg.export_dtype}), vocab {gcfg.vocab_size}, {gcfg.grid_h}x{gcfg.grid_w} "
+                 f"tokens, {n} training rows, {cfg.steps} steps of {cfg.batch_size} on {device}"
+                 f"{' (bf16 autocast)' if bf16 else ''}")
 
     dev_tokens = _compact(tokens, cfg.vocab_size).to(device)
     dev_labels = labels.to(device, torch.long)
     loss_fn = torch.compile(model.loss) if cfg.compile else model.loss
+    window_loss = torch.zeros((), device=device)
 
-    def save(reason: str) -> float:
-        t0 = time.monotonic()
-        state = {
-            "format": CKPT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "config": cfg.to_dict(), "gpt_config": asdict(gcfg), "history": history, "data_id": data_id,
-            "train_time_s": train_time,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-        }
-        _atomic_torch_save(state, ckpt_path)
-        _write_json(_log_record(cfg, gcfg, n_params, step, train_time, history, finished=False), log_path)
-        dt = time.monotonic() - t0
-        _log(f"step {step}: checkpoint saved ({reason}, {dt:.1f} s) -> {ckpt_path}", cfg.progress)
-        return dt
+    def train_step(step: int) -> None:
+        x, y = make_batch(cfg, step, dev_tokens, dev_labels)  # (B, T), (B,)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(y, x)
+        loop.update(loss)
+        window_loss.add_(loss.detach().float())
 
-    def run_eval() -> float | None:
-        if val_tokens is None:
-            return None
+    def window(n: int) -> tuple[dict, dict, str]:
+        bpt = float(window_loss) / n / LN2
+        window_loss.zero_()
+        return {"train_bpt": bpt}, {"bpt": f"{bpt:.4f}"}, f"train {bpt:.4f} bits/token"
+
+    def run_eval() -> float:
         t0 = time.monotonic()
         bpt = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16)
-        history["val"].append({"step": step, "val_bpt": bpt, "time_s": round(train_time, 2)})
-        _log(f"step {step}: val {bpt:.4f} bits/token ({time.monotonic() - t0:.1f} s)", cfg.progress)
+        loop.history["val"].append({"step": loop.step, "val_bpt": bpt, "time_s": round(loop.train_time, 2)})
+        loop.log(f"step {loop.step}: val {bpt:.4f} bits/token ({time.monotonic() - t0:.1f} s)")
         return bpt
 
-    from tqdm.auto import tqdm
+    has_val = val_tokens is not None
+    out = Path(cfg.out_dir)
+    if not loop.run(train_step, window, run_eval if has_val else None, desc="train"):
+        return TrainResult(loop.step, False, out, loop.ckpt_path, None, None, loop.history)
 
-    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc="train", unit="step",
-               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    window_loss = torch.zeros((), device=device)
-    window_n, window_t0 = 0, time.monotonic()
-    step_time = None  # running estimate of seconds per step
-    save_time = 2.0  # seconds; re-measured at each save
-    eval_time = 0.0
-    stopped = False
-    last_saved = first_step = step
-    try:
-        while step < cfg.steps:
-            if stop_after is not None and step - first_step >= stop_after:
-                stopped = True
-                break
-            due_eval = val_tokens is not None and (step + 1) % cfg.eval_every == 0
-            if out_of_time(cfg.time_limit_s, t_start, step_time, save_time, eval_time if due_eval else 0.0):
-                stopped = True
-                break
-            t0 = time.monotonic()
-            lr = lr_at(cfg, step)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            x, y = make_batch(cfg, step, dev_tokens, dev_labels)  # (B, T), (B,)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_fn(y, x)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            window_loss += loss.detach().float()
-            window_n += 1
-            step += 1
-            bar.update(1)
-
-            if window_n == cfg.log_every or step == cfg.steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.monotonic() - window_t0
-                bpt = float(window_loss) / window_n / LN2
-                history["train"].append({"step": step, "train_bpt": bpt, "lr": lr,
-                                         "images_per_s": window_n * cfg.batch_size / dt})
-                eta = (cfg.steps - step) * dt / window_n
-                bar.set_postfix(bpt=f"{bpt:.4f}", lr=f"{lr:.2e}", img_s=f"{window_n * cfg.batch_size / dt:.0f}",
-                                eta=f"{eta / 60:.1f}min", refresh=False)
-                if not cfg.progress or len(history["train"]) == 1:
-                    _log(f"step {step}: train {bpt:.4f} bits/token, lr {lr:.2e}, "
-                         f"{window_n * cfg.batch_size / dt:.0f} images/s, ETA {eta / 60:.1f} min", cfg.progress)
-                window_loss.zero_()
-                window_n, window_t0 = 0, time.monotonic()
-            train_time += time.monotonic() - t0
-            dt_step = time.monotonic() - t0
-            step_time = dt_step if step_time is None else 0.9 * step_time + 0.1 * dt_step
-
-            if val_tokens is not None and step % cfg.eval_every == 0 and step < cfg.steps:
-                t0 = time.monotonic()
-                run_eval()
-                eval_time = time.monotonic() - t0
-                window_t0 += eval_time
-            if step % cfg.ckpt_every == 0 and step < cfg.steps:
-                save_time = save("every %d steps" % cfg.ckpt_every)
-                last_saved = step
-                window_t0 += save_time
-    finally:
-        bar.close()
-
-    if stopped:
-        why = (f"stop_after={stop_after}" if stop_after is not None and step - first_step >= stop_after
-               else f"time limit {cfg.time_limit_s:g} s")
-        if step != last_saved or not ckpt_path.exists():
-            save(why)
-        if step == first_step:
-            warnings.warn(f"no training step fitted in the time limit ({cfg.time_limit_s:g} s); "
-                          "give a larger time limit", stacklevel=2)
-        _log(f"stopped at step {step}/{cfg.steps} ({why}); run the same command again to resume", cfg.progress)
-        return TrainResult(step, False, out, ckpt_path, None, None, history)
-
-    if history["val"] and history["val"][-1]["step"] == step:  # a finished run, resumed again
-        final = history["val"][-1]["val_bpt"]
+    val = loop.history["val"]
+    if val and val[-1]["step"] == loop.step:  # a finished run, resumed again
+        final = val[-1]["val_bpt"]
     else:
-        final = run_eval()
-    save("finished")
-    model_path = export_model(ckpt_path, model_path, dtype=cfg.export_dtype)
-    record = _log_record(cfg, gcfg, n_params, step, train_time, history, finished=True)
+        final = run_eval() if has_val else None
+    loop.save("finished")
+    model_path = export_model(loop.ckpt_path, out / MODEL_NAME, dtype=cfg.export_dtype)
+    record = loop.record(finished=True)
     record["final_val_bpt"] = final
-    _write_json(record, log_path)
-    _log(f"done: {step} steps in {train_time / 60:.1f} min of training; "
-         f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}", cfg.progress)
-    return TrainResult(step, True, out, ckpt_path, model_path, final, history)
-
-
-def _log_record(cfg, gcfg, n_params, step, train_time, history, finished) -> dict:
-    return {
-        "finished": finished, "step": step, "steps": cfg.steps, "train_time_s": round(train_time, 2),
-        "num_params": n_params, "config": cfg.to_dict(), "gpt_config": asdict(gcfg),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(torch.device(cfg.device)) if torch.device(cfg.device).type == "cuda" else cfg.device,
-        "history": history,
-    }
+    write_json(record, loop.log_path)
+    loop.log(f"done: {loop.step} steps in {loop.train_time / 60:.1f} min of training; "
+             f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}")
+    return TrainResult(loop.step, True, out, loop.ckpt_path, model_path, final, loop.history)
 
 
 def export_model(ckpt_path: str | os.PathLike, out_path: str | os.PathLike | None = None,

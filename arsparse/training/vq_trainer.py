@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +37,8 @@ import torch.nn.functional as F
 from ..checkpoint import save_safetensors
 from ..loading import config_metadata
 from ..models.vq import VQConfig, VQModel, vq_config
-from .trainer import (CKPT_NAME, LOG_NAME, _DTYPES, _atomic_torch_save, _config_diff,
-                      _fingerprint, _log, _seed_of, _write_json, batch_indices, check_run_fields, load_optimizer,
-                      lr_at, out_of_time)
+from .loop import TrainLoop, run_device, start_clock, write_json
+from .trainer import _DTYPES, _fingerprint, _seed_of, batch_indices, check_run_fields
 
 __all__ = ["VQ_CKPT_FORMAT", "VQ_RECIPES", "VQTrainConfig", "VQTrainResult", "export_vq", "train_vq",
            "vq_batch", "vq_recipe_config"]
@@ -303,9 +300,7 @@ def train_vq(cfg: VQTrainConfig, images: torch.Tensor, val_images: torch.Tensor 
     ``val_images``: held-out images, evaluated every ``eval_every`` steps and at the end.
     ``resume``, ``stop_after`` and ``started_at`` as in :func:`arsparse.training.trainer.train_gpt`.
     """
-    t_start = time.monotonic() if started_at is None else started_at
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
-        raise ValueError(f"stop_after must be a positive int or None, got {stop_after!r}")
+    t_start = start_clock(started_at, stop_after)
     _check_images(cfg, images, "training")
     if val_images is not None:
         _check_images(cfg, val_images, "validation")
@@ -313,12 +308,7 @@ def train_vq(cfg: VQTrainConfig, images: torch.Tensor, val_images: torch.Tensor 
             val_images = val_images[:cfg.eval_samples]
     if images.shape[0] < cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} is larger than the training set ({images.shape[0]} images)")
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_path, log_path, vq_path = out / CKPT_NAME, out / LOG_NAME, out / f"{cfg.name}.safetensors"
-    device = torch.device(cfg.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {cfg.device!r} asked for, but CUDA is not available")
+    device = run_device(cfg)
     bf16 = cfg.use_bf16()
     data_id = _fingerprint(images, val_images)
 
@@ -330,183 +320,86 @@ def train_vq(cfg: VQTrainConfig, images: torch.Tensor, val_images: torch.Tensor 
                             **({"fused": True} if device.type == "cuda" else {}))
     K = vcfg.codebook_size
     since_restart = torch.zeros(K, dtype=torch.long, device=device)
-    history: dict[str, list] = {"train": [], "val": [], "restarts": []}
-    step, train_time = 0, 0.0
-
-    if ckpt_path.exists():
-        if not resume:
-            raise FileExistsError(f"{ckpt_path} exists: resume from it (--resume) or choose another out_dir")
-        ckpt = load_vq_checkpoint(ckpt_path)
-        diff = _config_diff(ckpt["config"], cfg.to_dict())
-        if diff:
-            lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{ckpt_path} was made with another config; resume with the same settings "
-                             f"or choose another out_dir:\n{lines}")
-        if ckpt["data_id"] != data_id:
-            raise ValueError(f"{ckpt_path} was trained on other images; resume with the same data set")
-        if ckpt["config"]["steps"] != cfg.steps:
-            warnings.warn(f"steps changed from {ckpt['config']['steps']} to {cfg.steps}: the cosine schedule "
-                          f"is stretched from step {ckpt['step']} on", stacklevel=2)
-        model.load_state_dict(ckpt["model"], strict=True)
-        load_optimizer(opt, ckpt, cfg.progress)
+    loop = TrainLoop(cfg, model, opt, t_start=t_start, stop_after=stop_after, fmt=VQ_CKPT_FORMAT, data_id=data_id,
+                     arch=("vq_config", _vq_dict(vcfg)), history={"train": [], "val": [], "restarts": []},
+                     extra_state=lambda: {"since_restart": since_restart.cpu()})
+    ckpt = loop.resume(resume, load_vq_checkpoint, data="images")
+    if ckpt is not None:
         since_restart.copy_(ckpt["since_restart"])
-        step, train_time, history = int(ckpt["step"]), float(ckpt["train_time_s"]), ckpt["history"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        _log(f"resumed from {ckpt_path} at step {step}/{cfg.steps}", cfg.progress)
         del ckpt
-    elif resume:
-        _log(f"no checkpoint at {ckpt_path}: starting from step 0", cfg.progress)
 
-    n_params = sum(p.numel() for p in model.parameters())
-    if step == 0:
-        _log(f"training a VQ: ch {cfg.ch} x {list(cfg.ch_mult)}, {K} codes of dim {cfg.codebook_embed_dim}, "
-             f"{cfg.image_size} px -> {cfg.grid}x{cfg.grid} tokens ({n_params / 1e6:.2f} M parameters, "
-             f"{n_params * _DTYPES[cfg.export_dtype].itemsize / 1e6:.1f} MB as {cfg.export_dtype}); "
-             f"{images.shape[0]} images, {cfg.steps} steps of {cfg.batch_size} on {device}"
-             f"{' (bf16 autocast)' if bf16 else ''}", cfg.progress)
+    if loop.step == 0:
+        n_params = loop.num_params
+        loop.log(f"training a VQ: ch {cfg.ch} x {list(cfg.ch_mult)}, {K} codes of dim {cfg.codebook_embed_dim}, "
+                 f"{cfg.image_size} px -> {cfg.grid}x{cfg.grid} tokens ({n_params / 1e6:.2f} M parameters, "
+                 f"{n_params * _DTYPES[cfg.export_dtype].itemsize / 1e6:.1f} MB as {cfg.export_dtype}); "
+                 f"{images.shape[0]} images, {cfg.steps} steps of {cfg.batch_size} on {device}"
+                 f"{' (bf16 autocast)' if bf16 else ''}")
 
     dev_images = images.to(device)
     encoder = torch.compile(model.encoder) if cfg.compile else model.encoder
     decoder = torch.compile(model.decoder) if cfg.compile else model.decoder
-
-    def save(reason: str) -> float:
-        t0 = time.monotonic()
-        state = {"format": VQ_CKPT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "config": cfg.to_dict(), "vq_config": _vq_dict(vcfg), "history": history, "data_id": data_id,
-                 "train_time_s": train_time, "since_restart": since_restart.cpu(),
-                 "rng": {"torch": torch.get_rng_state(),
-                         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}}
-        _atomic_torch_save(state, ckpt_path)
-        _write_json(_log_record(cfg, n_params, step, train_time, history, False), log_path)
-        dt = time.monotonic() - t0
-        _log(f"step {step}: checkpoint saved ({reason}, {dt:.1f} s) -> {ckpt_path}", cfg.progress)
-        return dt
-
-    def run_eval() -> dict | None:
-        if val_images is None:
-            return None
-        t0 = time.monotonic()
-        r = evaluate_vq(model, val_images, cfg.batch_size, bf16)
-        history["val"].append({"step": step, **r, "time_s": round(train_time, 2)})
-        _log(f"step {step}: held-out L1 {r['l1']:.4f}, PSNR {r['psnr']:.2f} dB, codes used {r['usage']:.3f}, "
-             f"perplexity {r['perplexity']:.0f} ({time.monotonic() - t0:.1f} s)", cfg.progress)
-        return r
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc="train vq", unit="step",
-               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
     keys = ("loss", "l1", "l2", "codebook", "commit")
     window = torch.zeros(len(keys), device=device)
     window_counts = torch.zeros(K, dtype=torch.long, device=device)
-    window_n, window_t0 = 0, time.monotonic()
-    step_time, save_time, eval_time = None, 2.0, 0.0
-    stopped = False
-    last_saved = first_step = step
-    try:
-        while step < cfg.steps:
-            if stop_after is not None and step - first_step >= stop_after:
-                stopped = True
-                break
-            due_eval = val_images is not None and (step + 1) % cfg.eval_every == 0
-            if out_of_time(cfg.time_limit_s, t_start, step_time, save_time, eval_time if due_eval else 0.0):
-                stopped = True
-                break
-            t0 = time.monotonic()
-            lr = lr_at(cfg, step)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            x = vq_batch(cfg, step, dev_images)  # (B, 3, H, W)
-            recon, feats, ids, q = forward(model, x, bf16, encoder, decoder)
-            l1 = (recon - x).abs().mean()
-            l2 = (recon - x).pow(2).mean()
-            loss = cfg.l1_weight * l1 + cfg.l2_weight * l2 + q["codebook"] + q["commit"]
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            flat = ids.flatten()
-            ones = torch.ones_like(flat)
-            since_restart.index_add_(0, flat, ones)  # bincount would synchronise the GPU
-            window_counts.index_add_(0, flat, ones)
-            window += torch.stack([loss.detach(), l1.detach(), l2.detach(), q["codebook"].detach(),
-                                   q["commit"].detach()]).float()
-            window_n += 1
-            step += 1
-            bar.update(1)
-            if cfg.restart_every and step % cfg.restart_every == 0 and step < cfg.steps:
-                g = torch.Generator().manual_seed(_seed_of(cfg.seed, 3, step))
-                n = restart_dead_codes(model, opt, since_restart, feats, g)
-                history["restarts"].append({"step": step, "codes": n})
-                since_restart.zero_()
 
-            if window_n == cfg.log_every or step == cfg.steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.monotonic() - window_t0
-                vals = (window / window_n).tolist()
-                rec = {"step": step, **{k: v for k, v in zip(keys, vals)}, **usage_stats(window_counts), "lr": lr,
-                       "images_per_s": window_n * cfg.batch_size / dt}
-                history["train"].append(rec)
-                eta = (cfg.steps - step) * dt / window_n
-                bar.set_postfix(l1=f"{rec['l1']:.4f}", used=f"{rec['usage']:.2f}", img_s=f"{rec['images_per_s']:.0f}",
-                                eta=f"{eta / 60:.1f}min", refresh=False)
-                if not cfg.progress or len(history["train"]) == 1:
-                    _log(f"step {step}: loss {rec['loss']:.4f} (L1 {rec['l1']:.4f}, L2 {rec['l2']:.5f}, codebook "
-                         f"{rec['codebook']:.4f}), codes used {rec['usage']:.3f}, lr {lr:.2e}, "
-                         f"{rec['images_per_s']:.0f} images/s, ETA {eta / 60:.1f} min", cfg.progress)
-                window.zero_()
-                window_counts.zero_()
-                window_n, window_t0 = 0, time.monotonic()
-            dt_step = time.monotonic() - t0
-            train_time += dt_step
-            step_time = dt_step if step_time is None else 0.9 * step_time + 0.1 * dt_step
-            if val_images is not None and step % cfg.eval_every == 0 and step < cfg.steps:
-                t0 = time.monotonic()
-                run_eval()
-                eval_time = time.monotonic() - t0
-                window_t0 += eval_time
-            if step % cfg.ckpt_every == 0 and step < cfg.steps:
-                save_time = save(f"every {cfg.ckpt_every} steps")
-                last_saved = step
-                window_t0 += save_time
-    finally:
-        bar.close()
+    def train_step(step: int) -> None:
+        x = vq_batch(cfg, step, dev_images)  # (B, 3, H, W)
+        recon, feats, ids, q = forward(model, x, bf16, encoder, decoder)
+        l1 = (recon - x).abs().mean()
+        l2 = (recon - x).pow(2).mean()
+        loss = cfg.l1_weight * l1 + cfg.l2_weight * l2 + q["codebook"] + q["commit"]
+        loop.update(loss)
+        flat = ids.flatten()
+        ones = torch.ones_like(flat)
+        since_restart.index_add_(0, flat, ones)  # bincount would synchronise the GPU
+        window_counts.index_add_(0, flat, ones)
+        window.add_(torch.stack([loss.detach(), l1.detach(), l2.detach(), q["codebook"].detach(),
+                                 q["commit"].detach()]).float())
+        done = step + 1
+        if cfg.restart_every and done % cfg.restart_every == 0 and done < cfg.steps:
+            g = torch.Generator().manual_seed(_seed_of(cfg.seed, 3, done))
+            n = restart_dead_codes(model, opt, since_restart, feats, g)
+            loop.history["restarts"].append({"step": done, "codes": n})
+            since_restart.zero_()
 
-    if stopped:
-        why = (f"stop_after={stop_after}" if stop_after is not None and step - first_step >= stop_after
-               else f"time limit {cfg.time_limit_s:g} s")
-        if step != last_saved or not ckpt_path.exists():
-            save(why)
-        _log(f"stopped at step {step}/{cfg.steps} ({why}); run the same command again to resume", cfg.progress)
-        return VQTrainResult(step, False, out, ckpt_path, None, None, history)
+    def summarise(n: int) -> tuple[dict, dict, str]:
+        rec = {**dict(zip(keys, (window / n).tolist())), **usage_stats(window_counts)}
+        window.zero_()
+        window_counts.zero_()
+        return rec, {"l1": f"{rec['l1']:.4f}", "used": f"{rec['usage']:.2f}"}, (
+            f"loss {rec['loss']:.4f} (L1 {rec['l1']:.4f}, L2 {rec['l2']:.5f}, codebook {rec['codebook']:.4f}), "
+            f"codes used {rec['usage']:.3f}")
 
-    if history["val"] and history["val"][-1]["step"] == step:
-        final = history["val"][-1]
+    def run_eval() -> dict:
+        t0 = time.monotonic()
+        r = evaluate_vq(model, val_images, cfg.batch_size, bf16)
+        loop.history["val"].append({"step": loop.step, **r, "time_s": round(loop.train_time, 2)})
+        loop.log(f"step {loop.step}: held-out L1 {r['l1']:.4f}, PSNR {r['psnr']:.2f} dB, codes used "
+                 f"{r['usage']:.3f}, perplexity {r['perplexity']:.0f} ({time.monotonic() - t0:.1f} s)")
+        return r
+
+    has_val = val_images is not None
+    out = Path(cfg.out_dir)
+    if not loop.run(train_step, summarise, run_eval if has_val else None, desc="train vq"):
+        return VQTrainResult(loop.step, False, out, loop.ckpt_path, None, None, loop.history)
+
+    val = loop.history["val"]
+    if val and val[-1]["step"] == loop.step:
+        final = val[-1]
     else:
-        final = run_eval()
-    save("finished")
-    export_vq(ckpt_path, vq_path, dtype=cfg.export_dtype)
-    record = _log_record(cfg, n_params, step, train_time, history, True)
+        final = run_eval() if has_val else None
+    loop.save("finished")
+    vq_path = export_vq(loop.ckpt_path, out / f"{cfg.name}.safetensors", dtype=cfg.export_dtype)
+    record = loop.record(finished=True)
     record["final_val"] = final
-    _write_json(record, log_path)
-    _log(f"done: {step} steps in {train_time / 60:.1f} min; VQ -> {vq_path}", cfg.progress)
-    return VQTrainResult(step, True, out, ckpt_path, vq_path, final, history)
+    write_json(record, loop.log_path)
+    loop.log(f"done: {loop.step} steps in {loop.train_time / 60:.1f} min; VQ -> {vq_path}")
+    return VQTrainResult(loop.step, True, out, loop.ckpt_path, vq_path, final, loop.history)
 
 
 def _vq_dict(vcfg: VQConfig) -> dict:
     return json.loads(config_metadata(vcfg)["arsparse.vq"])
-
-
-def _log_record(cfg, n_params, step, train_time, history, finished) -> dict:
-    dev = torch.device(cfg.device)
-    return {"finished": finished, "step": step, "steps": cfg.steps, "train_time_s": round(train_time, 2),
-            "num_params": n_params, "config": cfg.to_dict(), "vq_config": _vq_dict(cfg.vq_config()),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cfg.device, "history": history}
 
 
 def export_vq(ckpt_path: str | os.PathLike, out_path: str | os.PathLike, dtype: str = "fp16") -> Path:
