@@ -15,11 +15,12 @@ GROUPED_KEYS = {"rows", "block_o", "num_warps", "num_stages"}
 
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, grouped: dict | None = None) -> torch.Tensor:
-    """The decode step of an offset policy's ring cache in one kernel: write the new token, then
-    attend over the policy's read set (reading nothing else).
+    """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
+    set (reading nothing else) and write the new token.
 
     The new token of image index ``i = pos - P`` goes to ring slot ``i % W`` and, while
-    ``i < n_sinks``, to sink slot ``i``; reads of those slots take it from registers.
+    ``i < n_sinks``, to sink slot ``i`` (the cache's scratch sink slot is not written); reads of
+    those slots take it from registers, as if it had been written first.
 
     Parameters
     ----------
