@@ -54,6 +54,91 @@ def random_slot_tables(B, H, Hkv, P, C, D, dtype, seed, device="cpu"):
     return [t.to(device) for t in (q, pk, pv, k, v, spos)], ref
 
 
+def row_positions(g, B: int, lo: int, hi: int, must: list[int]) -> torch.Tensor:
+    """(B,) random positions in [lo, hi], the first ones set to ``must``."""
+    pos = torch.randint(lo, hi + 1, (B,), generator=g)
+    pos[: len(must)] = torch.tensor(must[:B])
+    return pos
+
+
+def random_decode_case(B, H, Hkv, S, D, pos, dtype, seed, device="cpu"):
+    """Inputs of fused dense decode attention and the reference's answer.
+
+    ``pos``: an int (every row there) or ``"rows"`` (random per row, among them 0, 128 % S, S - 1).
+    Each row's cache entries from its position on are NaN: the slot being written and everything
+    past it must never be read. Returns the inputs (q, k_new, v_new, k_cache, v_cache, pos) on
+    ``device`` and the reference's (out, k_cache, v_cache after the write), computed on the CPU.
+    """
+    from arsparse.kernels.reference import decode_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    q, k_new, v_new = (torch.randn(B, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+    kc, vc = (torch.randn(B, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    p = row_positions(g, B, 0, S - 1, [0, 128 % S, S - 1]) if pos == "rows" else torch.tensor(pos)
+    for b, pb in enumerate(p.expand(B).tolist()):
+        kc[b, :, pb:] = float("nan")
+        vc[b, :, pb:] = float("nan")
+    want_k, want_v = kc.clone(), vc.clone()
+    want = decode_attention_ref(q, k_new, v_new, want_k, want_v, p)
+    return [t.to(device) for t in (q, k_new, v_new, kc, vc, p)], (want, want_k, want_v)
+
+
+def random_offsets(g, H: int, n: int, W: int) -> torch.Tensor:
+    """(H, n) per-head offsets in 0..2W as a policy's table (ascending, -1 padded), each head its own,
+    some without 0; the last head also reads offset W, the slot being written once past the window."""
+    table = torch.full((H, n), -1, dtype=torch.long)
+    for h in range(H):
+        offs = torch.randperm(2 * W + 1, generator=g)[: int(torch.randint(1, n + 1, (1,), generator=g))]
+        if h == H - 1:
+            offs = torch.cat([offs[offs != W][: n - 1], torch.tensor([W])])
+        table[h, : len(offs)] = offs.sort().values
+    return table
+
+
+def random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, dtype, seed, device="cpu"):
+    """Inputs of fused ring decode attention for rows at ``pos`` (one or (B,)) and the reference's answer.
+
+    Every entry the step must not read from memory is NaN: sinks from the query's own image index
+    on (unwritten, or being written), the scratch sink slot, ring slots that no head of the kv head
+    reads, and the slot being written. Returns the inputs (q, k_new, v_new, prompt_k, prompt_v,
+    sink_k, sink_v, ring_k, ring_v, offsets, pos) on ``device`` and the reference's (out, the six
+    buffers after the write), computed on the CPU.
+    """
+    from arsparse.kernels.reference import ring_decode_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    G = H // Hkv
+    pk, pv = (torch.randn(B, Hkv, P, D, generator=g) for _ in range(2))
+    sk, sv = (torch.randn(B, Hkv, S + 1, D, generator=g) for _ in range(2))
+    rk, rv = torch.full((B, Hkv, W, D), float("nan")), torch.full((B, Hkv, W, D), float("nan"))
+    for b, p in enumerate(pos.expand(B).tolist()):
+        i = p - P
+        sk[b, :, min(i, S):] = float("nan")
+        sv[b, :, min(i, S):] = float("nan")
+        for h in range(H):
+            read = [(p - o - P) % W for o in offsets[h].tolist() if o >= 0 and p - o >= P + S]
+            read = [s for s in read if s != i % W]
+            rk[b, h // G, read] = torch.randn(len(read), D, generator=g)
+            rv[b, h // G, read] = torch.randn(len(read), D, generator=g)
+    q, k_new, v_new = (torch.randn(B, h, D, generator=g) for h in (H, Hkv, Hkv))
+    inputs = [t.to(dtype) for t in (q, k_new, v_new, pk, pv, sk, sv, rk, rv)]
+    want_bufs = [t.clone() for t in inputs[3:]]
+    want = ring_decode_attention_ref(*inputs[:3], *want_bufs, offsets, pos, S)
+    return [t.to(device) for t in (*inputs, offsets, pos)], (want, *want_bufs)
+
+
 @pytest.fixture(params=["c2i", "t2i"])
 def model_type(request):
     return request.param
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every float buffer a kernel wrapper allocates (output, weights, scratch) starts as NaN."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)

@@ -88,3 +88,78 @@ def test_scored_policy_triton_kernel_under_cuda_graphs(policy):
     logits = {kernel: Generator(model, device="cuda", dtype="fp32", kernel=kernel, policy=pol)
               .cached_logits(cond, tokens) for kernel in ("torch", "triton")}
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)
+
+
+# ---- the fused decode kernels (write + attend) at GPT-XL-like shapes, bf16 -----------------------
+
+def _same(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("B,H,Hkv,S,D,pos,splits", [
+    (64, 20, 20, 577, 64, "rows", None),  # GPT-XL heads, 576 tokens, a position per row
+    (64, 20, 20, 577, 64, 300, 1),  # one position, one split: the output written directly
+    (4, 32, 8, 1120, 100, "rows", None),  # GQA, head_dim 100, t2i-like length, several splits
+    (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
+])
+def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits):
+    from arsparse.kernels.triton import decode_attention
+    from conftest import random_decode_case
+
+    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
+    got = decode_attention(*inputs, num_splits=splits)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
+    _same(inputs[3:5], [want_k, want_v])
+
+
+RING_VARIANTS = [None, dict(rows=1, block_o=16, num_warps=2), dict(rows=4, block_o=32, num_warps=4, num_stages=2)]
+
+
+@pytest.mark.parametrize("grouped", RING_VARIANTS, ids=["heads", "grouped-r1", "grouped-r4"])
+@pytest.mark.parametrize("H,Hkv,D", [(20, 20, 64), (32, 8, 100), (16, 2, 128)])
+def test_fused_ring_kernel_matches_reference_bf16_on_gpu(grouped, H, Hkv, D):
+    """diagonal's default read set on the 24x24 grid, a position per row from the first image
+    position to the last, then one position for every row."""
+    from arsparse.kernels.triton import ring_decode_attention
+    from arsparse.layout import Layout
+    from arsparse.policies import get
+    from conftest import random_ring_case, row_positions
+
+    lay, pol = Layout(1, 24, 24), get("diagonal")
+    offsets = pol.offset_table(lay, 1, H)[0]
+    W, S, B, P = pol.window(lay, 1, H), pol.sink_count(lay), 24, 1
+    g = torch.Generator().manual_seed(H + D)
+    pos = row_positions(g, B, P, P + 574, [P, P + S - 1, P + S, P + W, P + 574])
+    for p in (pos, pos[3]):
+        inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.bfloat16,
+                                                      int(p.sum()), "cuda")
+        got = ring_decode_attention(*inputs, S, grouped=grouped)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
+        _same(inputs[3:9], want_bufs)
+
+
+@pytest.mark.parametrize("policy", [None, dict(local=3, rows=2, band=1, sinks=2)])
+def test_triton_engine_equals_torch_engine_on_gpu(policy):
+    """Fused kernels in the whole engine (fp32): logits == the PyTorch path; CUDA-graph tokens ==
+    eager tokens; continuous batching (a position per row) == the offline generator."""
+    import arsparse.policies as policies
+    from arsparse.engine.continuous import SlotDecoder
+    from test_serve_engine import _offline, _requests, _serve
+
+    pol = policies.get("diagonal", **policy) if policy else None
+    model = random_gpt("c2i", seed=13, image_tokens=64, n_kv_head=2)
+    cond = random_cond(model, 4)  # a full bucket: the graphed and the eager step have the same shapes
+    tokens = torch.randint(0, model.config.vocab_size, (4, 64))
+    gens = {k: Generator(model, device="cuda", dtype="fp32", kernel=k, policy=pol, cuda_graphs=False)
+            for k in ("torch", "triton")}
+    logits = {k: gen.cached_logits(cond, tokens) for k, gen in gens.items()}
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)
+    graphed = Generator(model, device="cuda", dtype="fp32", kernel="triton", policy=pol, cuda_graphs=True)
+    assert torch.equal(graphed.sample_tokens(cond, seed=4), gens["triton"].sample_tokens(cond, seed=4))
+    reqs = _requests(model, 6, seed=8)
+    results, joined = _serve(SlotDecoder(gens["triton"], slots=8, guidance=True, cuda_graphs=True), reqs,
+                             [0, 1, 2, 20, 21, 40])
+    assert joined >= 2
+    for i, r in enumerate(reqs):
+        assert torch.equal(results[i], _offline(gens["torch"], r)), f"request {i}"

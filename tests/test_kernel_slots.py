@@ -16,18 +16,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN = float("nan")
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every float buffer the wrapper allocates (output, weights, scratch) starts as NaN."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kw):
-        t = empty(*args, **kw)
-        return t.fill_(NAN) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
-
 @pytest.mark.parametrize("B,H,Hkv,P,C,D,splits,dtype", [
     (2, 4, 4, 1, 70, 64, None, torch.float32),  # MHA, c2i prompt, C not a multiple of the block
     (3, 4, 2, 5, 130, 100, 3, torch.float32),  # G=2, head_dim 100 (padded dims), uneven splits

@@ -1,4 +1,11 @@
-"""Triton kernels against the PyTorch reference, on the CPU through the Triton interpreter."""
+"""Triton kernels against the PyTorch reference, on the CPU through the Triton interpreter.
+
+The decode kernels do the cache's whole step: attend (the new token from registers) and write the
+new token into the cache. Each check runs
+the reference on a copy of the buffers and asserts the same output and the same buffers after
+the call (so the write happened, at the right slot, and nothing else changed); cache entries the
+kernel must not read (past the position, not in the read set, or about to be overwritten) are NaN.
+"""
 import os
 
 import pytest
@@ -8,60 +15,112 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from arsparse.kernels.reference import decode_attention_ref  # noqa: E402
-from arsparse.kernels.triton import decode_attention  # noqa: E402
+from arsparse.kernels.triton import decode_attention, ring_decode_attention  # noqa: E402
+from conftest import random_decode_case, random_offsets, random_ring_case, row_positions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _same(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("B,H,Hkv,S,D,pos,splits", [
-    (2, 4, 4, 70, 64, 0, None),  # a single valid position
-    (3, 4, 2, 130, 64, 129, 3),  # GQA, full cache, uneven splits
-    (1, 2, 2, 200, 100, 77, 4),  # head_dim 100 (GPT-3B), splits past the end are empty
+    (2, 4, 4, 70, 64, 0, None),  # the first position: the new token alone
+    (3, 4, 2, 130, 64, 129, 3),  # GQA, the last position, uneven splits
+    (1, 2, 2, 200, 100, 128, 4),  # head_dim 100 (GPT-3B); pos opens the second split
     (2, 8, 1, 65, 128, 64, None),  # MQA, head_dim 128
+    (4, 4, 2, 300, 64, "rows", 3),  # one position per row: 0, a split start, the last, random
+    (3, 6, 3, 90, 100, "rows", 1),  # per row, one split (the output written directly)
+    (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
 ])
-def test_decode_attention_matches_reference(B, H, Hkv, S, D, pos, splits):
-    g = torch.Generator().manual_seed(S * 7 + D)
-    q = torch.randn(B, H, D, generator=g).to(DEVICE)
-    k = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE)
-    v = torch.randn(B, Hkv, S, D, generator=g).to(DEVICE)
-    k[:, :, pos + 1 :] = float("nan")  # positions past pos must never be read
-    v[:, :, pos + 1 :] = float("nan")
-    p = torch.tensor(pos, device=DEVICE)
-    got = decode_attention(q, k, v, p, num_splits=splits)
-    want = decode_attention_ref(q, k, v, p)
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits):
+    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.float32, S * 7 + D + B, DEVICE)
+    got = decode_attention(*inputs, num_splits=splits)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
 
 
-def test_decode_attention_strided_query_and_cache_slice():
-    """q as the model produces it (a transposed view) and a cache that is one layer of a bigger buffer."""
+def test_decode_attention_strided_inputs_and_cache_slice():
+    """q, k, v as the model produces them (transposed views, k and v with different strides) and a
+    cache that is one layer of a bigger buffer: only that layer's slot changes."""
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(3, 2, 4, 96, 64, generator=g).to(DEVICE)  # (L, B, Hkv, S, D)
     q = torch.randn(2, 1, 4, 64, generator=g).to(DEVICE).transpose(1, 2)[:, :, 0]  # (B, H, D), non-contiguous
+    k_new = torch.randn(2, 1, 4, 64, generator=g).to(DEVICE).transpose(1, 2)[:, :, 0]
+    v_new = torch.randn(2, 4, 3, 64, generator=g).to(DEVICE)[:, :, 1]
     p = torch.tensor(50, device=DEVICE)
-    got = decode_attention(q, cache[1], cache[2], p)
-    torch.testing.assert_close(got, decode_attention_ref(q, cache[1], cache[2], p), atol=2e-5, rtol=2e-5)
+    want_cache = cache.clone()
+    want = decode_attention_ref(q, k_new, v_new, want_cache[1], want_cache[2], p)
+    got = decode_attention(q, k_new, v_new, cache[1], cache[2], p)
+    torch.testing.assert_close(got, want, **TOL)
+    _same([cache], [want_cache])
 
 
 def test_decode_attention_rejects_bad_input():
-    q = torch.randn(2, 4, 64)
-    k = torch.randn(2, 3, 10, 64)
+    q, kv = torch.randn(2, 4, 64), torch.randn(2, 4, 10, 64)
+    new = torch.randn(2, 4, 64)
     with pytest.raises(ValueError, match="H % Hkv"):
-        decode_attention(q, k, k, torch.tensor(3))
+        decode_attention(q, new[:, :3], new[:, :3], kv[:, :3], kv[:, :3], torch.tensor(3))
     with pytest.raises(ValueError, match="dtypes differ"):
-        decode_attention(q.half(), torch.randn(2, 4, 10, 64), torch.randn(2, 4, 10, 64), torch.tensor(3))
+        decode_attention(q.half(), new, new, kv, kv, torch.tensor(3))
+    with pytest.raises(ValueError, match=r"k_new must be \(B=2, Hkv=4, D=64\)"):
+        decode_attention(q, new[:, :2], new, kv, kv, torch.tensor(3))
+    with pytest.raises(ValueError, match=r"one per row \(2,\)"):
+        decode_attention(q, new, new, kv, kv, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="pos must be an integer tensor"):
+        decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-def test_engine_with_triton_kernel_matches_torch_path():
-    from arsparse.engine.generator import Generator
-    from conftest import random_cond, random_gpt
+GROUPED = [None, dict(rows=1, block_o=4), dict(rows=3, block_o=8, num_warps=1)]
 
-    model = random_gpt("c2i", seed=9, n_kv_head=2)
-    cond = random_cond(model, 2)
-    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.image_tokens))
-    ref = Generator(model, device=DEVICE, dtype="fp32", kernel="torch").cached_logits(cond, tokens)
-    got = Generator(model, device=DEVICE, dtype="fp32", kernel="triton").cached_logits(cond, tokens)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+@pytest.mark.parametrize("grouped", GROUPED, ids=["heads", "grouped-r1", "grouped-r3"])
+@pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
+    (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
+    (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
+    (3, 8, 1, 1, 0, 7, 128),  # MQA, no sinks, head_dim 128
+])
+def test_ring_kernel_writes_and_matches_reference(poisoned_empty, grouped, B, H, Hkv, P, S, W, D):
+    g = torch.Generator().manual_seed(B * 1000 + W * 10 + D)
+    offsets = random_offsets(g, H, 6, W)
+    # one position per row: the first image position, the last sink, random, far past the window
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W])
+    for p in (pos, pos[2]):  # per row, then one position for every row
+        inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.float32,
+                                                      int(p.sum()), DEVICE)
+        got = ring_decode_attention(*inputs, S, grouped=grouped)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+        _same([t.cpu() for t in inputs[3:9]], want_bufs)
+
+
+def test_ring_kernel_rejects_bad_input():
+    B, H, D = 2, 4, 64
+    q, new = torch.randn(B, H, D), torch.randn(B, H, D)
+    pk, sk, rk = torch.randn(B, H, 1, D), torch.randn(B, H, 3, D), torch.randn(B, H, 5, D)
+    offs = torch.zeros(H, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="fewer than n_sinks=4"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 4)
+    with pytest.raises(ValueError, match="offsets must be an int64"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs.int(), torch.tensor(3), 2)
+    with pytest.raises(ValueError, match="v_new must have the cache's dtype"):
+        ring_decode_attention(q, new, new.double(), pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2)
+    with pytest.raises(ValueError, match="prompt and the ring need at least one position"):
+        ring_decode_attention(q, new, new, pk[:, :, :0], pk[:, :, :0], sk, sk, rk, rk, offs, torch.tensor(3), 2)
+    with pytest.raises(ValueError, match="unknown grouped settings"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, grouped=dict(row=2))
+
+
+# ---- the caches and the engine through the kernels --------------------------------------------
+
+def _ring_buffers(cache, layer):
+    """The ring cache's state the step may change (the scratch sink slot is the torch path's alone)."""
+    return [cache.pk[layer], cache.pv[layer], cache.rk[layer], cache.rv[layer],
+            cache.sk[layer, :, :, : cache.S], cache.sv[layer, :, :, : cache.S]]
 
 
 @pytest.mark.parametrize("policy,G,P", [
@@ -69,34 +128,113 @@ def test_engine_with_triton_kernel_matches_torch_path():
     (dict(name="streaming", sinks=3, recent=7), 2, 5),  # GQA, a 5-token prompt
     (dict(name="diagonal", local=1, rows=3, band=0, sinks=0), 1, 3),  # no sinks
 ])
-def test_ring_kernel_matches_the_ring_cache_reference(policy, G, P):
-    """Every decode step of a random sequence: Triton ring kernel == the gathered PyTorch reference."""
+def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
+    """Every decode step of a random sequence: the Triton ring cache's output and buffers == the
+    PyTorch ring cache's (the reference path)."""
     import arsparse.policies as policies
     from arsparse.models.config import gpt_config
 
-    cfg = gpt_config("GPT-tiny", image_tokens=25, n_head=4, n_kv_head=4 // G, cls_token_num=P)
+    cfg = gpt_config("GPT-tiny", image_tokens=25, n_head=4, n_kv_head=4 // G, cls_token_num=P, n_layer=1)
     pol = policies.get(**policy)
     ref = pol.make_cache(cfg, 2, torch.float32, DEVICE, kernel="torch")
     fast = pol.make_cache(cfg, 2, torch.float32, DEVICE, kernel="triton")
     g = torch.Generator().manual_seed(P * 10 + G)
     D, Hkv = cfg.head_dim, cfg.kv_heads
-    for c in (ref, fast):
-        c.phase = "prefill"
-    pk = torch.randn(2, Hkv, P, D, generator=g).to(DEVICE)
-    pv = torch.randn(2, Hkv, P, D, generator=g).to(DEVICE)
+    pk, pv = (torch.randn(2, Hkv, P, D, generator=g).to(DEVICE) for _ in range(2))
     qp = torch.randn(2, 4, P, D, generator=g).to(DEVICE)
     for c in (ref, fast):
-        for layer in range(cfg.n_layer):
-            c.attend(layer, qp, pk, pv)
+        c.phase = "prefill"
+        c.attend(0, qp, pk, pv)
         c.phase = "decode"
         c.pos.fill_(P)
     for step in range(24):
         q = torch.randn(2, 4, 1, D, generator=g).to(DEVICE)
-        k = torch.randn(2, Hkv, 1, D, generator=g).to(DEVICE)
-        v = torch.randn(2, Hkv, 1, D, generator=g).to(DEVICE)
-        for layer in range(cfg.n_layer):
-            want = ref.attend(layer, q, k, v)
-            got = fast.attend(layer, q, k, v)
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        k, v = (torch.randn(2, Hkv, 1, D, generator=g).to(DEVICE) for _ in range(2))
+        torch.testing.assert_close(fast.attend(0, q, k, v), ref.attend(0, q, k, v), **TOL)
+        _same(_ring_buffers(fast, 0), _ring_buffers(ref, 0))
         ref.pos.add_(1)
         fast.pos.add_(1)
+
+
+@pytest.mark.parametrize("policy,n_kv_head", [(None, 2), ("diagonal", None), ("streaming", 1)])
+def test_row_caches_triton_step_equals_torch_step(policy, n_kv_head):
+    """The continuous-batching caches: rows at random positions of their own (the first image
+    position, the last, others), a batch narrower than the cache; Triton == PyTorch, output and
+    buffers, over several steps."""
+    from arsparse import policies
+    from arsparse.engine.continuous import make_row_cache
+    from conftest import random_gpt
+
+    cfg = random_gpt("t2i", image_tokens=36, n_kv_head=n_kv_head).config  # a 5-token prompt
+    pol = policies.get(policy, **dict(diagonal=dict(local=2, rows=2, band=1, sinks=2),
+                                      streaming=dict(sinks=1, recent=4))[policy]) if policy else None
+    rows, B, P = 6, 5, cfg.cls_token_num
+    caches = {k: make_row_cache(pol, cfg, rows, torch.float32, DEVICE, kernel=k) for k in ("torch", "triton")}
+    g = torch.Generator().manual_seed(7)
+    state = ["k", "v"] if pol is None else ["pk", "pv", "rk", "rv"]
+    for name in state:  # the same random history in both, every entry finite
+        buf = torch.randn(getattr(caches["torch"], name).shape, generator=g).to(DEVICE)
+        for c in caches.values():
+            getattr(c, name).copy_(buf)
+    if pol is not None:
+        sinks = torch.randn(caches["torch"].sk.shape, generator=g).to(DEVICE)
+        for c in caches.values():
+            c.sk.copy_(sinks)
+            c.sv.copy_(sinks.flip(-1))
+    last = cfg.seq_len - 1
+    pos = row_positions(g, rows, P, last, [P, last, P + 1, last - 1]).to(DEVICE)
+    for c in caches.values():
+        c.phase = "decode"
+        c.pos.copy_(pos)
+    D, H, Hkv = cfg.head_dim, cfg.n_head, cfg.kv_heads
+    for step in range(3):
+        q = torch.randn(B, H, 1, D, generator=g).to(DEVICE)
+        k, v = (torch.randn(B, Hkv, 1, D, generator=g).to(DEVICE) for _ in range(2))
+        for layer in range(cfg.n_layer):
+            got, want = (caches[n].attend(layer, q, k, v) for n in ("triton", "torch"))
+            torch.testing.assert_close(got, want, **TOL)
+            pick = (lambda c: [c.k[layer], c.v[layer]]) if pol is None else (lambda c: _ring_buffers(c, layer))
+            _same(pick(caches["triton"]), pick(caches["torch"]))
+        for c in caches.values():  # advance; a row past the end starts a new image
+            c.pos.copy_(torch.where(c.pos < last, c.pos + 1, P))
+
+
+@pytest.mark.parametrize("policy", [None, dict(local=2, rows=2, band=1, sinks=1)])
+def test_generator_triton_equals_torch(policy):
+    """The whole engine on a tiny model (3x3 image): teacher-forced logits and sampled tokens with
+    guidance, Triton == PyTorch."""
+    from arsparse import policies
+    from arsparse.engine.generator import Generator
+    from conftest import random_cond, random_gpt
+
+    model = random_gpt("c2i", image_tokens=9, seed=9, n_kv_head=2)
+    cond = random_cond(model, 2)
+    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.image_tokens))
+    pol = policies.get("diagonal", **policy) if policy else None
+    gens = {k: Generator(model, device=DEVICE, dtype="fp32", kernel=k, policy=pol) for k in ("torch", "triton")}
+    logits = {k: gen.cached_logits(cond, tokens) for k, gen in gens.items()}
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    sampled = {k: gen.sample_tokens(cond[:1], cfg_scale=2.0, seed=5) for k, gen in gens.items()}
+    assert torch.equal(sampled["triton"], sampled["torch"])
+
+
+@pytest.mark.parametrize("policy", [None, dict(local=2, rows=1, band=1, sinks=1)])
+def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
+    """The serving engine's slots, each at its own position, through the Triton kernels: every
+    request gets the offline PyTorch generator's tokens, whether it joined mid-flight or not."""
+    from arsparse import policies
+    from arsparse.engine.continuous import SlotDecoder
+    from arsparse.engine.generator import Generator
+    from conftest import random_gpt
+    from test_serve_engine import _offline, _requests, _serve
+
+    model = random_gpt("c2i", image_tokens=9, seed=2, n_head=2)
+    pol = policies.get("diagonal", **policy) if policy else None
+    offline = Generator(model, device=DEVICE, dtype="fp32", kernel="torch", policy=pol)
+    dec = SlotDecoder(Generator(model, device=DEVICE, dtype="fp32", kernel="triton", policy=pol), slots=3,
+                      guidance=True)
+    reqs = _requests(model, 3, seed=4)
+    results, joined = _serve(dec, reqs, [0, 3, 5])
+    assert joined >= 1
+    for i, r in enumerate(reqs):
+        assert torch.equal(results[i], _offline(offline, r)), f"request {i}"

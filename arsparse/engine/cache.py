@@ -26,8 +26,8 @@ class DenseKVCache:
     ``phase`` is ``"prefill"`` (the prompt, written at positions 0..T-1, causal attention among
     them) or ``"decode"`` (one token at position ``pos``, a device scalar, so the step has static
     shapes and can be captured in a CUDA graph). Decode attention runs through ``kernel``:
-    ``"torch"`` (SDPA over the whole buffer with a mask) or ``"triton"`` (split-KV, reads only
-    positions ``0..pos``).
+    ``"torch"`` (SDPA over the whole buffer with a mask, after writing the token) or ``"triton"``
+    (split-KV: one kernel writes the token and reads only positions ``0..pos``).
     """
 
     def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, max_len: int | None = None,
@@ -64,11 +64,16 @@ class DenseKVCache:
             self.v[layer, :, :, :T] = v
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         kc, vc = self.k[layer], self.v[layer]  # (B, Hkv, S, D)
+        if self.kernel == "triton":
+            return self._decode_triton(q, k, v, kc, vc, self.pos)
         kc.index_copy_(2, self.pos.view(1), k)
         vc.index_copy_(2, self.pos.view(1), v)
-        if self.kernel == "triton":  # reads positions 0..pos only
-            from ..kernels.triton import decode_attention
-
-            return decode_attention(q[:, :, 0], kc, vc, self.pos, num_splits=self.splits).unsqueeze(2)
         mask = (self._slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)
+
+    def _decode_triton(self, q, k, v, kc, vc, pos):
+        """One kernel writes k, v (B, Hkv, 1, D) at ``pos`` (a scalar or (B,) tensor) and attends over
+        positions 0..pos of kc, vc (B, Hkv, S, D), reading nothing past them -> (B, H, 1, D)."""
+        from ..kernels.triton import decode_attention
+
+        return decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], kc, vc, pos, num_splits=self.splits).unsqueeze(2)

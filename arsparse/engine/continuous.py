@@ -8,9 +8,9 @@ exactly those ``Generator.sample_tokens`` gives for the same condition, key and 
 whatever else shares the pool.
 
 Backends: :class:`RowDenseKVCache` (dense) and :class:`RowRingKVCache` (offset policies) are the
-PyTorch attention of the fixed-batch caches with one position per row. Scored policies keep
-per-step state that assumes one shared position; they are served in cohorts instead
-(:mod:`arsparse.serve.scheduler`).
+fixed-batch caches with one position per row, through either kernel (``torch`` or ``triton``).
+Scored policies keep per-step state that assumes one shared position; they are served in cohorts
+instead (:mod:`arsparse.serve.scheduler`).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def supports_continuous(policy) -> bool:
     return policy is None or policy.kind == "dense" or isinstance(policy, OffsetPolicy)
 
 
-def make_row_cache(policy, cfg: GPTConfig, rows: int, dtype: torch.dtype, device):
+def make_row_cache(policy, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
     """A cache with one position per row for ``policy`` (None or dense, or an offset policy)."""
     if policy is None or policy.kind == "dense":
-        return RowDenseKVCache(cfg, rows, dtype, device)
+        return RowDenseKVCache(cfg, rows, dtype, device, kernel=kernel)
     if isinstance(policy, OffsetPolicy):
-        return RowRingKVCache(cfg, policy, rows, dtype, device)
+        return RowRingKVCache(cfg, policy, rows, dtype, device, kernel=kernel)
     raise PolicyError(f"{policy.name}: a {policy.kind} policy keeps state that assumes one shared position; "
                       "only dense and offset policies can join a running batch")
 
@@ -56,11 +56,12 @@ class RowDenseKVCache(DenseKVCache):
 
     ``prefill`` writes the prompt of the rows in ``prefill_rows`` only (the others keep decoding
     state); ``decode`` runs the first ``B`` rows (B = the query's batch), row ``b`` writing and
-    attending at ``pos[b]``. Masked SDPA over the whole buffer, as the dense ``torch`` kernel.
+    attending at ``pos[b]``: masked SDPA over the whole buffer (``torch``) or the split-KV kernel
+    with a position per row (``triton``).
     """
 
-    def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device):
-        super().__init__(cfg, rows, dtype, device, kernel="torch")
+    def __init__(self, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
+        super().__init__(cfg, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
 
@@ -73,6 +74,8 @@ class RowDenseKVCache(DenseKVCache):
         B = q.shape[0]
         pos = self.pos[:B]  # (B,)
         kc, vc = self.k[layer, :B], self.v[layer, :B]  # (B, Hkv, S, D)
+        if self.kernel == "triton":
+            return self._decode_triton(q, k, v, kc, vc, pos)
         _scatter_at(kc, pos, k)
         _scatter_at(vc, pos, v)
         mask = (self._slots[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, S)
@@ -82,8 +85,8 @@ class RowDenseKVCache(DenseKVCache):
 class RowRingKVCache(RingKVCache):
     """The ring-buffer cache of offset policies with a position per row (see :class:`RowDenseKVCache`)."""
 
-    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype: torch.dtype, device):
-        super().__init__(cfg, policy, rows, dtype, device, kernel="torch")
+    def __init__(self, cfg: GPTConfig, policy, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
+        super().__init__(cfg, policy, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
 
@@ -95,6 +98,8 @@ class RowRingKVCache(RingKVCache):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
+        if self.kernel == "triton":
+            return self._decode_triton(layer, q, k, v, pos)
         i = pos - self.P  # image index of each row's query
         _scatter_at(self.rk[layer, :B], i % self.W, k)
         _scatter_at(self.rv[layer, :B], i % self.W, v)
@@ -130,7 +135,7 @@ class SlotDecoder:
     Parameters
     ----------
     gen : Generator
-        Its model, device, dtype and policy (dense or offset) are used; nothing is copied.
+        Its model, device, dtype, kernel and policy (dense or offset) are used; nothing is copied.
     slots : int
         Images in flight at most.
     guidance : bool
@@ -149,7 +154,7 @@ class SlotDecoder:
         self.P, self.N, self.V = cfg.cls_token_num, cfg.image_tokens, cfg.vocab_size
         self.max_pos = cfg.seq_len - 1
         dev = gen.device
-        self.cache = make_row_cache(gen.policy, cfg, slots * self.G, gen.gpt.dtype, dev)
+        self.cache = make_row_cache(gen.policy, cfg, slots * self.G, gen.gpt.dtype, dev, kernel=gen.kernel)
         z = dict(device=dev)
         self.cur = torch.zeros(slots, dtype=torch.long, **z)  # last sampled token per slot
         self.out = torch.zeros(slots, self.N + 1, dtype=torch.long, **z)  # (S, N + 1); column N: scratch
@@ -292,7 +297,9 @@ class SlotDecoder:
         gpt, cache, G = self.gpt, self.cache, self.G
         step = self.step_idx[:w]  # (w,)
         running = step < self.N
-        pos = (step + (self.P - 1)).clamp_max(self.max_pos)  # position of the token fed; idle slots: any
+        # Position of the token fed; idle slots (step N) decode garbage at the last position, which keeps
+        # every row's writes and reads inside its own cache row.
+        pos = (step + (self.P - 1)).clamp_max(self.max_pos)
         cache.pos[: G * w] = pos.repeat_interleave(G)
         h = gpt.tok_embeddings(self.cur[:w].repeat_interleave(G)[:, None])  # (G * w, 1, dim)
         hidden = gpt.forward_hidden(h, cache.pos[: G * w, None], cache)

@@ -4,21 +4,66 @@ from __future__ import annotations
 import torch
 
 
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                         scale: float | None = None) -> torch.Tensor:
-    """One query per row over cache positions ``0..pos`` (inclusive).
+def _positions(pos: torch.Tensor, B: int) -> list[int]:
+    """One position for every row (a one-element tensor) or (B,) one per row -> B ints."""
+    return [int(pos)] * B if pos.numel() == 1 else [int(p) for p in pos]
 
-    q (B, H, D); k_cache, v_cache (B, Hkv, S, D) with H a multiple of Hkv (GQA); pos: int64 scalar
-    tensor. Returns (B, H, D) in q's dtype, computed in fp32.
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (H, D) over k, v (H, n, D) -> (H, D) in q's dtype, computed in fp32."""
+    w = (torch.einsum("hd,hnd->hn", q.float(), k.float()) * scale).softmax(-1)
+    return torch.einsum("hn,hnd->hd", w, v.float()).to(q.dtype)
+
+
+def decode_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Write the new token at ``pos`` (in place), then one query per row over positions ``0..pos``.
+
+    q (B, H, D); k_new, v_new (B, Hkv, D); k_cache, v_cache (B, Hkv, S, D) with H a multiple of Hkv
+    (GQA); pos: an integer tensor, one position or (B,) one per row. Returns (B, H, D) in q's dtype,
+    computed in fp32.
     """
     B, H, D = q.shape
     G = H // k_cache.shape[1]
-    n = int(pos) + 1
-    k = k_cache[:, :, :n].float().repeat_interleave(G, dim=1)  # (B, H, n, D)
-    v = v_cache[:, :, :n].float().repeat_interleave(G, dim=1)
     scale = D**-0.5 if scale is None else scale
-    s = torch.einsum("bhd,bhnd->bhn", q.float(), k) * scale
-    return torch.einsum("bhn,bhnd->bhd", s.softmax(-1), v).to(q.dtype)
+    out = torch.empty_like(q)
+    for b, p in enumerate(_positions(pos, B)):
+        k_cache[b, :, p] = k_new[b]
+        v_cache[b, :, p] = v_new[b]
+        k = k_cache[b, :, : p + 1].repeat_interleave(G, dim=0)  # (H, p + 1, D)
+        v = v_cache[b, :, : p + 1].repeat_interleave(G, dim=0)
+        out[b] = _attend(q[b], k, v, scale)
+    return out
+
+
+def ring_decode_attention_ref(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
+                              n_sinks: int, scale: float | None = None) -> torch.Tensor:
+    """The ring cache's decode step, row by row: write the new token of image index ``i = pos - P``
+    (in place: ring slot ``i % W``, and sink ``i`` while ``i < n_sinks``), then attend over the
+    prompt, the sinks ``0..min(i, n_sinks - 1)`` and the ring slots of ``pos - o`` for each offset
+    ``o >= 0`` of the head with ``pos - o >= P + n_sinks``.
+
+    Arguments as :func:`~arsparse.kernels.triton.ring_decode_attention`; returns (B, H, D) in q's
+    dtype, computed in fp32.
+    """
+    B, H, D = q.shape
+    Hkv, P, W = prompt_k.shape[1], prompt_k.shape[2], ring_k.shape[2]
+    G = H // Hkv
+    scale = D**-0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for b, p in enumerate(_positions(pos, B)):
+        i = p - P
+        ring_k[b, :, i % W], ring_v[b, :, i % W] = k_new[b], v_new[b]
+        if i < n_sinks:
+            sink_k[b, :, i], sink_v[b, :, i] = k_new[b], v_new[b]
+        for h in range(H):
+            hk = h // G
+            slots = [(p - o - P) % W for o in offsets[h].tolist() if o >= 0 and p - o >= P + n_sinks]
+            sinks = min(i + 1, n_sinks)
+            k = torch.cat([prompt_k[b, hk], sink_k[b, hk, :sinks], ring_k[b, hk, slots]])  # (n, D)
+            v = torch.cat([prompt_v[b, hk], sink_v[b, hk, :sinks], ring_v[b, hk, slots]])
+            out[b, h] = _attend(q[b, h : h + 1], k[None], v[None], scale)[0]
+    return out
 
 
 def slot_decode_attention_ref(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, slot_k: torch.Tensor,

@@ -89,6 +89,8 @@ class RingKVCache(_PromptCache):
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":
             return self._prefill(layer, q, k, v)
+        if self.kernel == "triton":
+            return self._decode_triton(layer, q, k, v, self.pos)
         i = self.pos - self.P  # image index of the query
         slot = (i % self.W).view(1)
         self.rk[layer].index_copy_(2, slot, k)
@@ -97,12 +99,6 @@ class RingKVCache(_PromptCache):
         self.sk[layer].index_copy_(2, sink_slot, k)
         self.sv[layer].index_copy_(2, sink_slot, v)
 
-        if self.kernel == "triton":  # the read set computed in-kernel from the offsets table
-            from ..kernels.triton import ring_decode_attention
-
-            return ring_decode_attention(q[:, :, 0], self.pk[layer], self.pv[layer], self.sk[layer], self.sv[layer],
-                                         self.rk[layer], self.rv[layer], self.offsets[layer], self.pos,
-                                         self.S).unsqueeze(2)
         offs = self.offsets[layer]  # (H, n)
         kpos = self.pos - offs  # (H, n)
         ok = (offs >= 0) & (kpos >= self.P + self.S)
@@ -117,6 +113,17 @@ class RingKVCache(_PromptCache):
         valid = torch.cat([torch.ones(H, self.P, dtype=torch.bool, device=q.device),
                            (self._sink_idx <= i).expand(H, self.S), ok], dim=1)[None]  # (1, H, n_read)
         return _attend_gathered(q, keys, values, valid)[0]
+
+    def _decode_triton(self, layer: int, q, k, v, pos):
+        """One kernel writes k, v (B, Hkv, 1, D) and attends over the read set computed in-kernel from
+        the offsets table, for the first B rows at ``pos`` (a scalar or (B,) tensor) -> (B, H, 1, D).
+        It writes no scratch sink slot (that is the torch path's branch-free write)."""
+        from ..kernels.triton import ring_decode_attention
+
+        B = q.shape[0]
+        return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
+                                     self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
+                                     self.offsets[layer], pos, self.S).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):

@@ -1,6 +1,7 @@
 #!/bin/bash
 # The policy benchmarks of BENCHMARKS.md, run from the repo root on the device machine (H200):
-#   bash docs/bench/h200-policies.sh a|b|c   (device calls; c = after the kernel sweep; .llamagen = a LlamaGen checkout, carried)
+#   bash docs/bench/h200-policies.sh a|b|c|d   (device calls; c = after the kernel sweep; d = after fusing the K/V
+#   writes into the dense and ring kernels; .llamagen = a LlamaGen checkout, carried)
 # Each part has its own time limit; JSON under $OUT.
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -22,6 +23,11 @@ B 130 --image-tokens 576 --batch 256 --compile --policies "dense;diagonal;lines:
     --out $OUT/bench576_compiled.json
 B 100 --image-tokens 4096 --batch 1 --compile --policies "diagonal;dense" --out $OUT/bench4096_b1.json
 B 200 --image-tokens 1024 --batch max --policies "dense;diagonal" --out $OUT/bench1024.json
+elif [ "$1" = d ]; then
+# test_cuda alone (with the interpreter tests in the same session every kernel would run interpreted)
+timeout 300 python3 -m pytest -q tests/test_cuda.py tests/test_serve_engine.py 2>&1 | tail -3
+B 120 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --out $OUT/bench576_fused.json
+B 80 --image-tokens 576 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench576_b1_fused.json
 else
 timeout 60 python3 -m pytest -q tests/test_cuda.py -k "slot_kernel or scored_policy_triton" 2>&1 | tail -2
 timeout 90 python3 -c "

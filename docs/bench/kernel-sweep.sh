@@ -1,8 +1,16 @@
 #!/bin/bash
 # Launch-option sweep of the three decode kernels at GPT-XL / 576 tokens / batch 256 with guidance
 # (512 rows, 20 heads, head_dim 64, bf16), mid-generation (query at position 300). On the H200:
-#   bash docs/bench/kernel-sweep.sh      -> a table of us/call and GB/s, JSON in $OUT/kernel_sweep.json
-export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+#   bash docs/bench/kernel-sweep.sh [dense,ring,slots]   -> a table of us/call and GB/s (the kernels
+#   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>.json
+# The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
+# index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
+# kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
+# compare the engine's kernel ("heads": one program per (row, query head), by num_warps) with the
+# candidate ("grouped": one program per (rows, kv head), the ring read in chunks of block_o
+# offsets, by rows / block_o / num_warps / num_stages); "rows" variants give each row its own
+# position (continuous batching).
+export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
 import itertools, json, os, torch
@@ -15,7 +23,9 @@ dev, dt = "cuda", torch.bfloat16
 B, H, D, S, pos = 512, 20, 64, 577, 300
 g = torch.Generator(device=dev).manual_seed(0)
 r = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=g)
-q = r(B, H, D)
+q, k_new, v_new = r(B, H, D), r(B, H, D), r(B, H, D)
+p = torch.tensor(pos, device=dev)
+fmt = lambda x: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in x.items()}
 
 def timeit(fn, reps=100):
     for _ in range(5): fn()
@@ -25,44 +35,88 @@ def timeit(fn, reps=100):
     e1.record(); torch.cuda.synchronize()
     return e0.elapsed_time(e1) / reps * 1e3  # us
 
-rows = []
-# dense: reads pos + 1 positions of K and V
-k, v = r(B, H, S, D), r(B, H, S, D)
-p = torch.tensor(pos, device=dev)
-nbytes = B * H * (pos + 1) * D * 2 * 2
-for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
-    decode.BLOCK_N, decode.SPLIT_LAUNCH = bn, dict(num_warps=nw, num_stages=ns)
-    us = timeit(lambda: decode_attention(q, k, v, p))
-    rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
-decode.BLOCK_N = 64
-# ring: diagonal's default read set on the 24x24 grid
-lay = Layout(1, 24, 24)
-pol = get("diagonal")
-offs = pol.offset_table(lay, 1, H)[0].to(dev)
-Wn, Sn = pol.window(lay, 1, H), pol.sink_count(lay)
-pk, pv, sk, sv, rk, rv = r(B, H, 1, D), r(B, H, 1, D), r(B, H, Sn + 1, D), r(B, H, Sn + 1, D), r(B, H, Wn, D), r(B, H, Wn, D)
-nread = 1 + Sn + int((offs >= 0).sum(1).float().mean())
-nbytes = B * H * nread * D * 2 * 2
-for nw in (1, 2, 4, 8):
-    ring.LAUNCH = dict(num_warps=nw)
-    us = timeit(lambda: ring_decode_attention(q, pk, pv, sk, sv, rk, rv, offs, p, Sn))
-    rows.append(dict(kernel="ring", num_warps=nw, us=us, gb_s=nbytes / us / 1e3, window=Wn, read=nread))
-# slots: 83 kept + 1 spare, ~5% free
-C = 84
-ck, cv = r(B, H, C, D), r(B, H, C, D)
-spos = torch.randint(2, S, (B, H, C), device=dev, generator=g)
-spos[torch.rand(B, H, C, device=dev, generator=g) < 0.05] = -1
-nbytes = B * H * (1 + C) * D * 2 * 2
-for nw, ns, cw in itertools.product((1, 2, 4, 8), (2, 3), (1, 2, 4, 8)):
-    slots.SPLIT_LAUNCH, slots.COMBINE_LAUNCH = dict(num_warps=nw, num_stages=ns), dict(num_warps=cw)
-    us = timeit(lambda: slot_decode_attention(q, pk, pv, ck, cv, spos))
-    rows.append(dict(kernel="slots", num_warps=nw, num_stages=ns, combine_warps=cw, us=us, gb_s=nbytes / us / 1e3))
-json.dump(rows, open(os.environ["OUT"] + "/kernel_sweep.json", "w"), indent=1)
-for kname in ("dense", "ring", "slots"):
+def report(rows, kname, engine, extra=()):
+    """The engine's setting, the fastest four, and the extra rows."""
     rs = sorted((x for x in rows if x["kernel"] == kname), key=lambda x: x["us"])
-    default = [x for x in rs if x.get("num_warps") == 4 and x.get("num_stages", 3) == 3 and x.get("BLOCK_N", 64) == 64
-               and x.get("combine_warps", 4) == 4][0]
-    print(f"{kname}: default {default['us']:.1f} us ({default['gb_s']:.0f} GB/s)")
+    now = [x for x in rs if all(x.get(k) == v for k, v in engine.items())][0]
+    print(f"{kname}: engine setting {now['us']:.1f} us ({now['gb_s']:.0f} GB/s)")
     for x in rs[:4]:
-        print("   ", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in x.items()})
+        print("   ", fmt(x))
+    for x in extra:
+        print("   ", fmt(x))
+
+def sweep_dense(rows):
+    """Reads pos positions of K and V (the new token comes from registers)."""
+    k, v = r(B, H, S, D), r(B, H, S, D)
+    nbytes = B * H * (pos + 1) * D * 2 * 2
+    engine = (decode.BLOCK_N, dict(decode.SPLIT_LAUNCH))
+    for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        decode.BLOCK_N, decode.SPLIT_LAUNCH = bn, dict(num_warps=nw, num_stages=ns)
+        us = timeit(lambda: decode_attention(q, k_new, v_new, k, v, p))
+        rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
+    decode.BLOCK_N, decode.SPLIT_LAUNCH = engine
+    p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
+    us = timeit(lambda: decode_attention(q, k_new, v_new, k, v, p_rows))
+    rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2
+    extra = [dict(kernel="dense-rows", us=us, gb_s=rows_bytes / us / 1e3)]
+    at = p.view(1)
+    us = timeit(lambda: (k.index_copy_(2, at, k_new[:, :, None]), v.index_copy_(2, at, v_new[:, :, None])))
+    extra.append(dict(kernel="dense-writes", us=us))
+    rows += extra
+    report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1]), extra)
+
+def sweep_ring(rows):
+    """diagonal's default read set on the 24x24 grid: the engine's kernel, then the candidate."""
+    lay, pol = Layout(1, 24, 24), get("diagonal")
+    offs = pol.offset_table(lay, 1, H)[0].to(dev)
+    Wn, Sn = pol.window(lay, 1, H), pol.sink_count(lay)
+    bufs = [r(B, H, n, D) for n in (1, 1, Sn + 1, Sn + 1, Wn, Wn)]  # prompt, sink and ring K/V
+    nread = 1 + Sn + int((offs >= 0).sum(1).float().mean())
+    nbytes = B * H * nread * D * 2 * 2
+    args = lambda pp: (q, k_new, v_new, *bufs, offs, pp, Sn)
+    engine = dict(ring.LAUNCH)
+    for nw in (1, 2, 4, 8):
+        ring.LAUNCH = dict(num_warps=nw)
+        us = timeit(lambda: ring_decode_attention(*args(p)))
+        rows.append(dict(kernel="ring", variant="heads", num_warps=nw, us=us, gb_s=nbytes / us / 1e3, read=nread))
+    ring.LAUNCH = engine
+    for rw, bo, nw, ns in itertools.product((1, 2, 4, 8), (16, 32, 64), (1, 2, 4), (2, 3)):
+        cand = dict(rows=rw, block_o=bo, num_warps=nw, num_stages=ns)
+        us = timeit(lambda: ring_decode_attention(*args(p), grouped=cand))
+        rows.append(dict(kernel="ring", variant="grouped", **cand, us=us, gb_s=nbytes / us / 1e3))
+    best = min((x for x in rows if x.get("variant") == "grouped"), key=lambda x: x["us"])
+    cand = {k: best[k] for k in ("rows", "block_o", "num_warps", "num_stages")}
+    extra = [dict(best, kernel="ring-best-grouped")]
+    p_img = torch.randint(lay.prefix_len, S - 1, (B,), device=dev, generator=g)  # a position per row
+    for name, kw in (("heads", {}), ("grouped", dict(grouped=cand))):
+        us = timeit(lambda: ring_decode_attention(*args(p_img), **kw))
+        extra.append(dict(kernel="ring-rows", variant=name, **kw, us=us, gb_s=nbytes / us / 1e3))
+    i = pos - 1
+    sink, slot = torch.tensor([min(i, Sn)], device=dev), torch.tensor([i % Wn], device=dev)
+    writes = ((bufs[4], slot, k_new), (bufs[5], slot, v_new), (bufs[2], sink, k_new), (bufs[3], sink, v_new))
+    us = timeit(lambda: [t.index_copy_(2, idx, x[:, :, None]) for t, idx, x in writes])
+    extra.append(dict(kernel="ring-writes", us=us))
+    rows += extra
+    report(rows, "ring", dict(variant="heads", **engine), extra)
+
+def sweep_slots(rows):
+    """83 kept + 1 spare, ~5% free."""
+    C = 84
+    pk, ck, cv = r(B, H, 1, D), r(B, H, C, D), r(B, H, C, D)
+    spos = torch.randint(2, S, (B, H, C), device=dev, generator=g)
+    spos[torch.rand(B, H, C, device=dev, generator=g) < 0.05] = -1
+    nbytes = B * H * (1 + C) * D * 2 * 2
+    engine = (dict(slots.SPLIT_LAUNCH), dict(slots.COMBINE_LAUNCH))
+    for nw, ns, cw in itertools.product((1, 2, 4, 8), (2, 3), (1, 2, 4, 8)):
+        slots.SPLIT_LAUNCH, slots.COMBINE_LAUNCH = dict(num_warps=nw, num_stages=ns), dict(num_warps=cw)
+        us = timeit(lambda: slot_decode_attention(q, pk, pk, ck, cv, spos))
+        rows.append(dict(kernel="slots", num_warps=nw, num_stages=ns, combine_warps=cw, us=us, gb_s=nbytes / us / 1e3))
+    slots.SPLIT_LAUNCH, slots.COMBINE_LAUNCH = engine
+    report(rows, "slots", dict(**engine[0], combine_warps=engine[1]["num_warps"]))
+
+rows = []
+parts = os.environ["PARTS"].split(",")
+for part in parts:
+    dict(dense=sweep_dense, ring=sweep_ring, slots=sweep_slots)[part](rows)
+json.dump(rows, open(f"{os.environ['OUT']}/kernel_sweep_{'_'.join(parts)}.json", "w"), indent=1)
 PY

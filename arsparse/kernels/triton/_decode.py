@@ -5,18 +5,25 @@ import triton.language as tl
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, POS, O_PART, M_PART, L_PART,
-    sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s, sm_b, sm_h,
-    scale, chunk, D,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q, KN, VN, K, V, POS, O_PART, M_PART, L_PART, OUT,
+    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
+    so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+    S, scale, chunk, D,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """One (row, kv head, split): the G query heads of the group over cache[start, min(start+chunk, pos+1))."""
+    """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
+
+    The new token (KN, VN) belongs at ``pos``: the split that holds ``pos`` writes it to the cache
+    and takes it from registers; every split reads from memory only positions below ``pos``, so no
+    program reads the slot being written. ``DIRECT`` (one split): the normalised output goes to OUT.
+    """
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
-    length = tl.load(POS) + 1
+    pos = tl.load(POS + b * spos)
     start = sp * chunk
-    end = tl.minimum(start + chunk, length)
+    end = tl.minimum(tl.minimum(start + chunk, pos), S)  # read [start, end) from memory
+    own = (pos >= start) & (pos < start + chunk) & (pos < S)  # this split holds the new token
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -30,6 +37,10 @@ def decode_split_kernel(
 
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
+    wmask = tl.where(own, dmask, False)  # (not `dmask & own`: the interpreter mistypes block & scalar)
+    kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
+    vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=wmask, other=0.0)
+
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
@@ -73,10 +84,28 @@ def decode_split_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
 
-    o_ptr = O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :]
-    tl.store(o_ptr, acc, mask=gmask[:, None] & dmask[None, :])
-    tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
-    tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
+    # the new token, from registers (only in the split that holds pos); written after every read,
+    # so a read of its slot from memory would see the old (in tests: poisoned) entry
+    tl.store(k_base + pos * sk_s + offs_d, kn, mask=wmask)
+    tl.store(v_base + pos * sv_s + offs_d, vn, mask=wmask)
+    s_new = tl.where(own, tl.sum(q * kn.to(tl.float32)[None, :], axis=1), float("-inf"))  # (BG,)
+    m_new = tl.maximum(m, s_new)
+    m_ref = tl.maximum(m_new, -1e30)  # finite: an empty split (m = s_new = -inf) stays empty, not NaN
+    alpha = tl.exp(m - m_ref)
+    p_new = tl.exp(s_new - m_ref)
+    l = l * alpha + p_new
+    acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+    m = m_new
+
+    hd_mask = gmask[:, None] & dmask[None, :]
+    if DIRECT:
+        out = acc / l[:, None]
+        tl.store(OUT + b * sout_b + heads[:, None] * sout_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=hd_mask)
+    else:
+        tl.store(O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :], acc, mask=hd_mask)
+        tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
+        tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
 
 
 @triton.jit

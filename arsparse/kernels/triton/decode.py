@@ -18,15 +18,45 @@ def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) 
     return max(1, min(want, -(-max_len // BLOCK_N), 64))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Dense decode attention over cache positions ``0..pos`` without reading the rest of the cache.
+def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:
+    """Row stride of ``pos`` for a kernel: 0 for one position shared by the batch, else its stride.
+
+    ``pos`` is an integer tensor on ``device``: one element (every row at that position) or
+    ``(rows,)`` (row ``b`` at ``pos[b]``).
+    """
+    if pos.dtype not in (torch.int32, torch.int64) or pos.device != device:
+        raise ValueError(f"pos must be an integer tensor on {device}, got {pos.dtype} on {pos.device}")
+    if pos.numel() == 1 and pos.dim() <= 1:
+        return 0
+    if pos.dim() != 1 or pos.shape[0] != rows:
+        raise ValueError(f"pos must hold one position or one per row ({rows},), got shape {tuple(pos.shape)}")
+    return pos.stride(0)
+
+
+def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
+    """The new token's keys and values: (B, Hkv, D) each, the cache's dtype, unit last stride."""
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if t.shape != (B, Hkv, D):
+            raise ValueError(f"{name} must be (B={B}, Hkv={Hkv}, D={D}), got {tuple(t.shape)}")
+        if t.dtype != dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} must have the cache's dtype ({dtype}) and a unit last stride")
+
+
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """Write the new token at ``pos`` and attend over cache positions ``0..pos``, in one kernel.
+
+    The cache is read only below ``pos``; the new token's K/V are written to slot ``pos`` and used
+    from registers, so nothing past ``pos`` (nor the old content of slot ``pos``) is read.
 
     Parameters
     ----------
     q : (B, H, D) tensor, fp16/bf16/fp32 (any strides with a unit last stride)
+    k_new, v_new : (B, Hkv, D) the new token's keys and values (unit last stride)
     k_cache, v_cache : (B, Hkv, S, D) tensors, same dtype, unit last stride; H % Hkv == 0
-    pos : int64 scalar tensor on the same device, the last valid position (read on the device)
+    pos : integer tensor on the same device (read on the device): one position for every row, or
+        (B,) one per row; a position outside ``0..S-1`` writes nothing
     Returns (B, H, D) in q's dtype; fp32 accumulation.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -40,32 +70,39 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a unit stride in the last (head) dimension")
-    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != q.device:
-        raise ValueError("pos must be a one-element integer tensor on q's device")
+    check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
+    spos = position_stride(pos, B, q.device)
     G = H // Hkv
     splits = num_splits or choose_splits(B, Hkv, S, q.device)
     chunk = -(-S // splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     splits = -(-S // chunk)
-    o_part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
-    m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
-    l_part = torch.empty_like(m_part)
+    direct = splits == 1
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    if direct:  # the split kernel writes the output; no partials, no combine launch
+        o_part = m_part = l_part = out.new_empty(1, 1, 1, dtype=torch.float32)
+    else:
+        o_part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+        m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
     block_d = triton.next_power_of_2(D)
     block_g = max(1, triton.next_power_of_2(G))
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, pos, o_part, m_part, l_part,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q, k_new, v_new, k_cache, v_cache, pos, o_part, m_part, l_part, out,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
-        scale, chunk, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, **SPLIT_LAUNCH,
+        out.stride(0), out.stride(1),
+        S, scale, chunk, D,
+        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DIRECT=direct, **SPLIT_LAUNCH,
     )
-    combine_kernel[(B, H)](
-        o_part, m_part, l_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
-        out.stride(0), out.stride(1), splits, D,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-    )
+    if not direct:
+        combine_kernel[(B, H)](
+            o_part, m_part, l_part, out,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
+            out.stride(0), out.stride(1), splits, D,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        )
     return out

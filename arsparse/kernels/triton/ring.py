@@ -4,24 +4,36 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._ring import ring_decode_kernel
+from ._ring import ring_decode_grouped_kernel, ring_decode_kernel
+from .decode import check_new_kv, position_stride
 
 #: Launch options (chosen by a sweep on an H200, see BENCHMARKS.md).
 LAUNCH = dict(num_warps=2)
+#: Settings of the candidate kernel (``grouped=``): rows per program, ring offsets per chunk, launch options.
+GROUPED_KEYS = {"rows", "block_o", "num_warps", "num_stages"}
 
 
-def ring_decode_attention(q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
-                          n_sinks: int, scale: float | None = None) -> torch.Tensor:
-    """Decode attention of an offset policy, reading only its read set.
+def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
+                          n_sinks: int, scale: float | None = None, grouped: dict | None = None) -> torch.Tensor:
+    """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
+    set (reading nothing else) and write the new token.
+
+    The new token of image index ``i = pos - P`` goes to ring slot ``i % W`` and, while
+    ``i < n_sinks``, to sink slot ``i`` (the cache's scratch sink slot is not written); reads of
+    those slots take it from registers, as if it had been written first.
 
     Parameters
     ----------
     q : (B, H, D) query of the step (unit last stride)
-    prompt_k, prompt_v : (B, Hkv, P, D) the prompt's keys and values
+    k_new, v_new : (B, Hkv, D) the new token's keys and values (unit last stride)
+    prompt_k, prompt_v : (B, Hkv, P, D) the prompt's keys and values, P >= 1
     sink_k, sink_v : (B, Hkv, >= n_sinks, D) sink buffers (sink j holds position P + j)
     ring_k, ring_v : (B, Hkv, W, D) ring buffer: position p lives in slot (p - P) % W
     offsets : (H, n) int64 backward offsets of each head, -1 for padding
-    pos : int64 scalar tensor, the query's position
+    pos : integer tensor, the query's position (>= P): one for every row, or (B,) one per row
+    grouped : the candidate kernel's settings (``rows``, ``block_o``, ``num_warps``, ``num_stages``):
+        one program per (rows, kv head), the ring read in chunks (for the launch sweep; the engine
+        runs the default kernel, one program per (row, query head))
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -38,21 +50,36 @@ def ring_decode_attention(q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v,
             raise ValueError(f"{k} keys and values must have the same shape and strides")
     if H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({Hkv})")
+    if P < 1 or W < 1:
+        raise ValueError(f"the prompt and the ring need at least one position each, got P={P}, W={W}")
     if offsets.dim() != 2 or offsets.shape[0] != H or offsets.dtype != torch.long:
         raise ValueError(f"offsets must be an int64 (H={H}, n) table, got {offsets.dtype} {tuple(offsets.shape)}")
     if sink_k.shape[2] < n_sinks:
         raise ValueError(f"sink buffers hold {sink_k.shape[2]} entries, fewer than n_sinks={n_sinks}")
     if q.stride(-1) != 1 or not offsets.is_contiguous():
         raise ValueError("q needs a unit last stride and offsets must be contiguous")
+    check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
+    spos = position_stride(pos, B, q.device)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     n_off = offsets.shape[1]
-    ring_decode_kernel[(B, H)](
-        q, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos, out,
-        q.stride(0), q.stride(1), prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
-        sink_k.stride(0), sink_k.stride(1), sink_k.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
-        offsets.stride(0), out.stride(0), out.stride(1),
-        P, n_sinks, W, n_off, D**-0.5 if scale is None else scale, D,
-        G=H // Hkv, BLOCK_P=triton.next_power_of_2(max(P, 1)), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
-        BLOCK_O=triton.next_power_of_2(max(n_off, 1)), BLOCK_D=triton.next_power_of_2(D), **LAUNCH,
-    )
+    args = (q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos, out,
+            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), sink_k.stride(0), sink_k.stride(1),
+            sink_k.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), offsets.stride(0), spos,
+            out.stride(0), out.stride(1))
+    blocks = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
+                  BLOCK_D=triton.next_power_of_2(D))
+    scale = D**-0.5 if scale is None else scale
+    if grouped is None:
+        ring_decode_kernel[(B, H)](*args, P, n_sinks, W, n_off, scale, D, G=H // Hkv,
+                                   BLOCK_O=triton.next_power_of_2(max(n_off, 1)), **blocks, **LAUNCH)
+    else:
+        if set(grouped) - GROUPED_KEYS:
+            raise ValueError(f"unknown grouped settings {sorted(set(grouped) - GROUPED_KEYS)}; "
+                             f"allowed: {sorted(GROUPED_KEYS)}")
+        rows = grouped.get("rows", 1)
+        block_o = min(grouped.get("block_o", 16), triton.next_power_of_2(max(n_off, 1)))
+        launch = {k: grouped[k] for k in ("num_warps", "num_stages") if k in grouped}
+        ring_decode_grouped_kernel[(triton.cdiv(B, rows), Hkv)](
+            *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=block_o, **blocks, **launch)
     return out
