@@ -137,7 +137,39 @@ def test_match_budget_includes_headkv():
     assert match["kept"] - 2 <= kept["headkv"] <= match["kept"]  # the most its padded table allows
 
 
-# ---- teacher forcing through the decode loop ---------------------------------------------------------
+# ---- teacher forcing ---------------------------------------------------------------------------------
+def test_offset_masks_equal_read_positions():
+    """The teacher-forcing masks of offset policies (uniform and per head) against read_positions, row by row."""
+    from dataclasses import dataclass
+
+    from arsparse.layout import Layout
+    from arsparse.policies.offset import OffsetPolicy
+
+    rng = np.random.default_rng(fresh_seed())
+    L, H = 2, 3
+    per_head = [[sorted({0, *rng.choice(np.arange(1, 40), size=int(rng.integers(1, 6)), replace=False).tolist()})
+                 for _ in range(H)] for _ in range(L)]
+
+    @dataclass(frozen=True)
+    class PerHead(OffsetPolicy):
+        def sink_count(self, layout):
+            return 2
+
+        def head_offsets(self, layout, n_layer, n_head):
+            return per_head
+
+    lay = Layout(prefix_len=int(rng.integers(1, 4)), grid_h=5, grid_w=6, row_stride=6)
+    T = lay.prefix_len + lay.image_tokens - 1
+    for pol in (PerHead(), policies.get("diagonal", local=3, rows=2, band=1, sinks=1),
+                policies.get("streaming", sinks=2, recent=int(rng.integers(1, 20)))):
+        mask = pol.mask(lay, T, L, H)  # (L, H, T, T)
+        for li in range(L):
+            for h in range(H):
+                for q in range(T):
+                    want = pol.read_positions(lay, q, li, h, L, H)
+                    assert mask[li, h, q].nonzero()[:, 0].tolist() == want, (type(pol).__name__, li, h, q)
+
+
 @pytest.mark.parametrize("name,params", [("h2o", dict(rho=0.4)), ("headkv", dict(rho=0.5, recent=4))])
 def test_forced_logits_loop_equals_the_policy_path(name, params):
     seed = fresh_seed()

@@ -230,7 +230,8 @@ def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layo
 
 @torch.no_grad()
 def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict[str, Any],
-                           batch: int = 64, progress: bool = False, graphs: bool | None = None) -> dict[str, dict]:
+                           batch: int = 64, progress: bool = False, graphs: bool | None = None,
+                           desc: str = "teacher forcing") -> dict[str, dict]:
     """Per policy: NLL (bits/token), KL(dense || policy) (nats/token, mean and per image row), top-1 agreement.
 
     ``policies`` maps names to policy objects (``None`` = plain dense attention). Dense logits are
@@ -245,7 +246,7 @@ def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, polici
     rows = torch.arange(T, device=dev) // W  # image row of each predicted position
     acc = {n: dict(ce=0.0, kl=0.0, agree=0.0, kl_row=torch.zeros(H, dtype=torch.float64, device=dev)) for n in policies}
     count = 0
-    bar = tqdm(total=math.ceil(len(tokens) / batch) * (len(policies) + 1), desc="teacher forcing", unit="pass",
+    bar = tqdm(total=math.ceil(len(tokens) / batch) * (len(policies) + 1), desc=desc, unit="pass",
                disable=not progress)
     for i in range(0, len(tokens), batch):
         c, t = cond[i : i + batch].to(dev), tokens[i : i + batch].to(dev)

@@ -182,7 +182,7 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
     for i, (name, group) in enumerate(groups.items()):
         forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens,
                                         {k: None if k == "dense" else p for k, p in group.items()}, cfg.nll_batch,
-                                        progress, graphs=cfg.cuda_graphs)
+                                        progress, graphs=cfg.cuda_graphs, desc=f"teacher forcing {name}")
         for key in group:
             runs[key][1].update({k: forced[key][k] for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")})
             if frechet:

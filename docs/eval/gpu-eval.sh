@@ -42,7 +42,8 @@
 # Output in $OUT, 7 files (each far below 16 MiB): sweep.json sweep.md sweep.png eval.json eval.md
 # grids.tar log.txt.
 # Knobs (environment): SAMPLES (1000), NLL_IMAGES (512), RHOS (0.06,0.09,0.12,0.18,0.25,0.35,0.5),
-# LIMIT (560), SWEEP_S (240), DTYPE (fp32), POLICIES, PYTHON (python3), OUT, EVAL_ARGS (more flags for
+# LIMIT (560), SWEEP_S (240), STAGES (check,sweep,eval: e.g. STAGES=sweep SWEEP_S=500 gives a call to the
+# sweep alone), DTYPE (fp32), POLICIES, PYTHON (python3), OUT, EVAL_ARGS (more flags for
 # both runs; a CPU smoke test of this script: EVAL_ARGS="--device cpu --ref-images 200" SAMPLES=4 ...).
 set -uo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
@@ -62,6 +63,8 @@ LIMIT=${LIMIT:-560} SWEEP_S=${SWEEP_S:-240}
 SAMPLES=${SAMPLES:-1000} NLL_IMAGES=${NLL_IMAGES:-512} DTYPE=${DTYPE:-fp32}
 RHOS=${RHOS:-0.06,0.09,0.12,0.18,0.25,0.35,0.5}
 POLICIES=${POLICIES:-dense,diagonal,streaming,h2o,tova,lines,headkv,adsa}
+STAGES=,${STAGES:-check,sweep,eval},
+want() { [[ $STAGES == *",$1,"* ]]; }
 OUT=${OUT:-out/gpu-eval-pack}
 WORK=out/gpu-eval/$WHICH
 mkdir -p "$OUT" "$WORK"
@@ -111,7 +114,7 @@ else
 fi
 
 GRAPHS=()
-if ! stage check 120 "$PY" -m pytest -q -x tests/test_eval_sweep.py -k cuda -p no:cacheprovider; then
+if want check && ! stage check 120 "$PY" -m pytest -q -x tests/test_eval_sweep.py -k cuda -p no:cacheprovider; then
     say "gpu-eval: WARNING: graphed teacher forcing failed its check: running eagerly (--no-cuda-graphs) on 3 budgets"
     GRAPHS=(--no-cuda-graphs)
     RHOS=0.12,0.25,0.5
@@ -119,13 +122,18 @@ fi
 
 common=(--model "$MODEL" --policies "$POLICIES" --nll-images "$NLL_IMAGES" --nll-batch "$NLL_IMAGES"
         --dtype "$DTYPE" "${GRAPHS[@]}" ${EVAL_ARGS:-})
-t=$(left); t=$(( t - 60 < SWEEP_S ? t - 60 : SWEEP_S )); t=$(( t > 30 ? t : 30 ))
-stage sweep "$t" "$PY" -m arsparse.cli eval "${common[@]}" --sweep-rho "$RHOS" --out "$WORK/sweep"
-pack
-t=$(left); t=$(( t - 15 > 30 ? t - 15 : 30 ))
-stage eval "$t" "$PY" -m arsparse.cli eval "${common[@]}" --match-budget --num-samples "$SAMPLES" \
-    --batch-size 500 --out "$WORK/eval"
-pack
+if want sweep; then
+    t=$(left); t=$(( t - 60 < SWEEP_S ? t - 60 : SWEEP_S )); t=$(( t > 30 ? t : 30 ))
+    want eval || t=$(( $(left) - 15 < SWEEP_S ? $(left) - 15 : SWEEP_S ))
+    stage sweep "$t" "$PY" -m arsparse.cli eval "${common[@]}" --sweep-rho "$RHOS" --out "$WORK/sweep"
+    pack
+fi
+if want eval; then
+    t=$(left); t=$(( t - 15 > 30 ? t - 15 : 30 ))
+    stage eval "$t" "$PY" -m arsparse.cli eval "${common[@]}" --match-budget --num-samples "$SAMPLES" \
+        --batch-size 500 --out "$WORK/eval"
+    pack
+fi
 
 "$PY" - "$WORK" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
