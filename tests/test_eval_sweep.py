@@ -231,6 +231,9 @@ def test_sweep_end_to_end_tiny(tmp_path):
             continue
         assert r["rho"] == pytest.approx(r["kept"] / n, abs=1e-4) and r["kept"] <= math.floor(r["rho_requested"] * n)
         assert r["rel_to_dense"] == pytest.approx(r["nll_bits_per_token"] / dense["nll_bits_per_token"] - 1)
+    for r in rows:  # diagonal's rho picks whole rows: prompt + sink + rows of 8 + band + itself
+        if r["policy"] == "diagonal" and not r["error"]:
+            assert r["kept"] == 1 + 1 + 8 * r["derived"]["rows"] + 1 + 1
     # Spot check one row against a direct computation with that policy.
     h2o = next(r for r in rows if r["policy"] == "h2o" and r["rho_requested"] == 0.3)
     with torch.no_grad():

@@ -432,6 +432,7 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
         if sum(len(g) for g in grid) < grid_images:
             grid.append(imgs[: grid_images - sum(len(g) for g in grid)])
         parts.append(bench.feats(imgs))
+    gen.release()  # its cache and captured step, now rather than at some later garbage collection
     f = _cat(parts)
     out = dict(fd_classifier=None, fd_mobilenet=None, class_accuracy=None, generate_s=round(gen_s, 2))
     for k in ("classifier", "mobilenet"):

@@ -99,6 +99,15 @@ def crossing(points: Sequence[tuple[float, float | None]], tolerance: float = 0.
     return dict(rho=r, status="interpolated", between=[r0, r1], text=f"{r:.3f}")
 
 
+def _derived(pol, layout) -> dict:
+    """What a policy's ``rho`` turned into: diagonal's rows, streaming's window, a scored policy's capacity."""
+    out = {}
+    for key, method in (("rows", "n_rows"), ("recent", "n_recent"), ("capacity", "capacity")):
+        if callable(getattr(pol, method, None)):
+            out[key] = int(getattr(pol, method)(layout))
+    return out
+
+
 def rel_key(metric: str) -> str:
     """The row key of a metric's cost relative to dense: ``rel_to_dense`` for the NLL, ``fd_*_rel_to_dense``."""
     return "rel_to_dense" if metric == "nll_bits_per_token" else f"{metric}_rel_to_dense"
@@ -159,7 +168,8 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
             except P.PolicyError as e:
                 row["error"] = str(e)
             else:
-                row.update(rho=round(b.rho, 4), kept=b.kept, read=round(b.read, 2), params=pol.params())
+                row.update(rho=round(b.rho, 4), kept=b.kept, read=round(b.read, 2), params=pol.params(),
+                           derived=_derived(pol, layout))
                 runs[f"{name}@{r:g}"] = (pol, row)
             rows.append(row)
     skipped = [f"{r['policy']}@{r['rho_requested']:g}" for r in rows if r["error"]]
