@@ -121,7 +121,7 @@ if want check && ! stage check 120 "$PY" -m pytest -q -x tests/test_eval_sweep.p
 fi
 
 common=(--model "$MODEL" --policies "$POLICIES" --nll-images "$NLL_IMAGES" --nll-batch "$NLL_IMAGES"
-        --dtype "$DTYPE" "${GRAPHS[@]}" ${EVAL_ARGS:-})
+        --dtype "$DTYPE" ${GRAPHS[@]+"${GRAPHS[@]}"} ${EVAL_ARGS:-})
 if want sweep; then
     t=$(left); t=$(( t - 60 < SWEEP_S ? t - 60 : SWEEP_S )); t=$(( t > 30 ? t : 30 ))
     want eval || t=$(( $(left) - 15 < SWEEP_S ? $(left) - 15 : SWEEP_S ))
