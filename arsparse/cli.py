@@ -22,7 +22,8 @@ def cmd_generate(args) -> int:
     from .policies import get, parse_args
 
     policy = get(args.policy, **parse_args(args.policy_arg))
-    gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy)
+    gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
+                    compile=args.compile)
     if cfg.model_type == "t2i":
         if not args.caption_features:
             raise ValueError("this is a text-conditional model: give --caption-features FILE (B, 120, 2048)")
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
+    g.add_argument("--kernel", default=None, choices=["torch", "triton"],
+                   help="decode attention: Triton kernels or the PyTorch reference (default: triton on cuda)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each block and the sampling (CUDA; fewer launches)")
     g.add_argument("--policy", default="dense", help="sparse-attention policy (see `arsparse policies`)")
     g.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="policy parameter, repeatable: --policy-arg rows=3 --policy-arg band=2")
