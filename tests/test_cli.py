@@ -87,4 +87,3 @@ def test_every_policy_runs_end_to_end_through_generate(tmp_path, capsys):
         assert len(list((out / "images").glob("*.png"))) == 2
     assert main(["generate", *ckpt, "--policy", "diagonal", "--policy-arg", "band=-1", "--out", str(tmp_path)]) == 2
     assert "band must be an integer >= 0" in capsys.readouterr().err
-
