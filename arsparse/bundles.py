@@ -66,7 +66,7 @@ BUNDLES: dict[str, Bundle] = {b.name: b for b in [
     Bundle("emoji-c2i", "trained here: colour emoji (Google + Twitter styles), 18 classes = category x style, "
            "64x64 RGB through a VQ trained here (32x32 = 1024 tokens, 1024 codes), 18.5M-parameter LlamaGen GPT",
            gpt_file="emoji-c2i.safetensors", vq_file="emoji-vq.safetensors", cfg_scale=3.0, class_names=EMOJI_CLASSES,
-           how_to_get="train them on a GPU with docs/models/emoji-train.sh (about 20 minutes on one H200) "
+           how_to_get="train them on a GPU with docs/models/emoji-train.sh (about 12 minutes on one H200) "
                       "and copy emoji-c2i.safetensors and emoji-vq.safetensors into that folder"),
     Bundle("random-small", "GPT-small (6 layers, dim 384) + VQ-16 (ch 32), random weights, 16x16 tokens, 256 px",
            gpt_config("GPT-small", image_tokens=256), vq_config("VQ-16", ch=32)),

@@ -53,7 +53,12 @@ def test_every_shipped_file_matches_its_card(name):
 
 
 def test_shipped_emoji_model_fits_held_out_images():
-    """Held-out emoji, tokenised by the shipped VQ, cost far fewer bits than chance, and more under the wrong class."""
+    """Held-out emoji, tokenised by the shipped VQ, cost far fewer bits than chance, and more under the other style.
+
+    The wrong condition is the same category in the other style (Google <-> Twitter): the held-out
+    emoji are glyphs the model never saw, for which the category says little (measured on 64 of
+    them: 2.39 bits under the true class, 2.43 unconditional), but the style is a strong cue.
+    """
     if not BUNDLES["emoji-c2i"].available:
         pytest.skip("emoji-c2i weights not installed yet: " + BUNDLES["emoji-c2i"].how_to_get)
     from arsparse.data.emoji import EmojiDataError, load_emoji
@@ -64,12 +69,12 @@ def test_shipped_emoji_model_fits_held_out_images():
     except EmojiDataError as e:
         pytest.skip(f"emoji data not fetched: {e}")
     gpt, tok = arsparse.load_model("emoji-c2i")
-    idx = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(0))[:8]
+    idx = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(0))[:16]
     tokens = encode_images(tok, images[idx])
     ln2 = torch.log(torch.tensor(2.0))
     with torch.no_grad():
         bits = torch.nn.functional.cross_entropy(gpt.logits(labels[idx], tokens).flatten(0, 1), tokens.flatten()) / ln2
-        wrong = torch.nn.functional.cross_entropy(gpt.logits((labels[idx] + 4) % 18, tokens).flatten(0, 1),
+        wrong = torch.nn.functional.cross_entropy(gpt.logits((labels[idx] + 9) % 18, tokens).flatten(0, 1),
                                                   tokens.flatten()) / ln2
     assert bits < 0.6 * torch.log2(torch.tensor(float(tok.vocab_size)))
     assert wrong > bits

@@ -5,8 +5,8 @@
 #   bash docs/models/emoji-train.sh [all|eval]      # from the repository root, on the GPU machine
 #
 # `all` does as much as fits in LIMIT and can simply be run again until it prints "emoji-train: DONE":
-#   1. VQ:     arsparse train tokenizer --dataset emoji        (4000 steps of 128, est. 3.5-6 min)
-#   2. GPT:    arsparse train model --dataset emoji            (3000 steps of 128, est. 7.6 min + tokenising)
+#   1. VQ:     arsparse train tokenizer --dataset emoji        (4000 steps of 128, 7.7 min)
+#   2. GPT:    arsparse train model --dataset emoji            (1200 steps of 128, 3 min + tokenising)
 #   3. export: arsparse train export --model emoji-c2i         (sample grids at 3 guidance scales, card; < 1 min)
 # `eval` (optional, after DONE): arsparse eval --model emoji-c2i with the new weights (est. 3-5 min).
 #
