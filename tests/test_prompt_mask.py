@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 from arsparse import policies  # noqa: E402
+from arsparse.cli import main  # noqa: E402
 from arsparse.engine.generator import Generator, _Plan, _Runner  # noqa: E402
 from arsparse.kernels.reference import decode_attention_ref, ring_decode_attention_ref, slot_decode_attention_ref  # noqa: E402
 from arsparse.kernels.triton import decode_attention, ring_decode_attention, slot_decode_attention  # noqa: E402
@@ -364,3 +365,72 @@ def test_check_and_pad_helpers():
     assert torch.equal(right[0, :2], feats[0, :2]) and (right[~rm] == 0).all()
     again, am = pad_captions(left, lm, 5)  # already left-padded: unchanged
     assert torch.equal(again, left) and torch.equal(am, lm)
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+def _t2i_checkpoints(tmp_path):
+    from arsparse.checkpoint import save_safetensors
+    from arsparse.loading import config_metadata
+    from arsparse.models.vq import VQModel, vq_config
+
+    gpt = t2i_model(seed=8)
+    save_safetensors(gpt.state_dict(), tmp_path / "gpt.safetensors", config_metadata(gpt.config))
+    vq = VQModel(vq_config("VQ-16", ch=32, codebook_size=48))
+    save_safetensors(vq.state_dict(), tmp_path / "vq.safetensors", config_metadata(vq.config))
+    return gpt, ["--gpt-ckpt", str(tmp_path / "gpt.safetensors"), "--vq-ckpt", str(tmp_path / "vq.safetensors")]
+
+
+def test_generate_reads_caption_masks_and_left_pads_as_llamagen(tmp_path, capsys):
+    """T5's right-padded features with emb_masks in one .npz; the same captions left-padded in a
+    .safetensors with the mask in a separate file: the same images. --no-left-padding keeps T5's
+    padding (other images); the Python API with the left-padded features gives the CLI's tokens."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from arsparse.checkpoint import save_safetensors
+
+    gpt, ckpt = _t2i_checkpoints(tmp_path)
+    g = torch.Generator().manual_seed(15)
+    feats = torch.randn(2, P, 12, generator=g)
+    mask = torch.tensor([[1] * 3 + [0] * 4, [1] * 5 + [0] * 2])  # int64, as T5's tokenizer makes it
+    np.savez(tmp_path / "t5.npz", caption_embs=feats.numpy(), emb_masks=mask.numpy())
+    left, lm = pad_captions(feats, mask, P)
+    save_safetensors({"caption_embs": left}, tmp_path / "left.safetensors")
+    torch.save(lm, tmp_path / "mask.pt")
+    common = ["--cfg-scale", "2", "--quiet", "--top-k", "5", "--seed", "3"]
+
+    def images(out):
+        return [np.asarray(Image.open(f)) for f in sorted((out / "images").glob("*.png"))]
+
+    runs = {"npz": ["--caption-features", str(tmp_path / "t5.npz")],
+            "split": ["--caption-features", str(tmp_path / "left.safetensors"), "--caption-mask", str(tmp_path / "mask.pt")],
+            "right": ["--caption-features", str(tmp_path / "t5.npz"), "--no-left-padding"]}
+    got = {}
+    for name, args in runs.items():
+        assert main(["generate", *ckpt, *args, *common, "--out", str(tmp_path / name)]) == 0, capsys.readouterr().err
+        got[name] = images(tmp_path / name)
+    assert len(got["npz"]) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(got["npz"], got["split"]))
+    assert not all(np.array_equal(a, b) for a, b in zip(got["npz"], got["right"]))
+    info = json.loads((tmp_path / "npz" / "generate.json").read_text())
+    assert info["caption_tokens"] == [3, 5] and info["left_padding"] is True
+
+    gen = Generator(gpt, device="cpu")
+    tokens = gen.sample_tokens(left, cfg_scale=2.0, top_k=5, seed=[3, 4], prompt_mask=lm)
+    from arsparse.tokenizers import to_pil
+    from arsparse.loading import load_vq
+
+    gen.tokenizer = load_vq(tmp_path / "vq.safetensors")
+    api = [np.asarray(im) for im in to_pil(gen.decode_images(tokens))]
+    assert all(np.array_equal(a, b) for a, b in zip(api, got["npz"]))
+
+    torch.save(torch.ones(2, P + 1, dtype=torch.bool), tmp_path / "bad.pt")
+    assert main(["generate", *ckpt, "--caption-features", str(tmp_path / "left.safetensors"), "--caption-mask",
+                 str(tmp_path / "bad.pt"), "--out", str(tmp_path / "x")]) == 2
+    assert "prompt_mask must be (B, P) = (2, 7)" in capsys.readouterr().err
+    assert main(["generate", "--model", "random-small", "--caption-mask", str(tmp_path / "mask.pt"),
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "for text-conditional (t2i) models" in capsys.readouterr().err
