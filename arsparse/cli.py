@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .cliargs import add_model_args, build_model, int_list, load_features
+from .cliargs import add_model_args, build_model, int_list, load_captions
 
 
 def cmd_generate(args) -> int:
@@ -24,13 +24,21 @@ def cmd_generate(args) -> int:
     policy = get(args.policy, **parse_args(args.policy_arg))
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
                     compile=args.compile)
+    masks, extra = None, {}
     if cfg.model_type == "t2i":
         if not args.caption_features:
             raise ValueError("this is a text-conditional model: give --caption-features FILE (B, 120, 2048)")
-        conds = load_features(args.caption_features)
-        n = args.num_images or conds.shape[0]
-        conds = conds[torch.arange(n) % conds.shape[0]]
+        from .prompt_mask import pad_captions
+
+        feats, mask = load_captions(args.caption_features, args.caption_mask)
+        # as LlamaGen's sampler: real tokens moved to the end (unless --no-left-padding), padding zeroed
+        feats, mask = pad_captions(feats, mask, cfg.cls_token_num, left_padding=not args.no_left_padding)
+        n = args.num_images or feats.shape[0]
+        conds, masks = feats[torch.arange(n) % feats.shape[0]], mask[torch.arange(n) % feats.shape[0]]
+        extra = dict(caption_tokens=mask.sum(1).tolist(), left_padding=not args.no_left_padding)
     else:
+        if args.caption_mask or args.no_left_padding:
+            raise ValueError("--caption-mask and --no-left-padding are for text-conditional (t2i) models")
         classes = args.classes or list(range(min(cfg.num_classes, 8)))
         bad = [c for c in classes if not 0 <= c < cfg.num_classes]
         if bad:
@@ -50,7 +58,8 @@ def cmd_generate(args) -> int:
         seeds = [args.seed + i for i in range(start, min(n, start + bs))]
         tokens = gen.sample_tokens(conds[start : start + bs], cfg_scale=cfg_scale, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=seeds, cfg_interval=args.cfg_interval,
-                                   progress=not args.quiet)
+                                   progress=not args.quiet,
+                                   prompt_mask=None if masks is None else masks[start : start + bs])
         images.append(gen.decode_images(tokens))
     images = torch.cat(images)
     elapsed = time.perf_counter() - t0
@@ -63,7 +72,7 @@ def cmd_generate(args) -> int:
         images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
     save_grid(images, out / "grid.png", nrow=args.nrow)
     info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3), policy=policy.describe(),
-                image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype))
+                image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype), **extra)
     (out / "generate.json").write_text(json.dumps(info, indent=2))
     print(f"wrote {n} images to {out / 'images'} and {out / 'grid.png'} ({elapsed:.1f} s, {n / elapsed:.2f} images/s)")
     return 0
@@ -151,7 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate images")
     add_model_args(g)
     g.add_argument("--classes", type=int_list, help="class labels, e.g. 1,2,3 (cycled to --num-images)")
-    g.add_argument("--caption-features", help="t2i: file of T5 features (B, 120, 2048): .pt, .npy or .safetensors")
+    g.add_argument("--caption-features",
+                   help="t2i: file of T5 features (B, <=120, 2048): .pt, .npy, .npz or .safetensors; with keys "
+                        "caption_embs and emb_masks (True/1 at real tokens) as LlamaGen's T5 embedder returns them, "
+                        "else its first tensor (fewer than 120 tokens: all real, padded here)")
+    g.add_argument("--caption-mask", help="t2i: file of the features' padding masks (B, tokens), True/1 at real tokens")
+    g.add_argument("--no-left-padding", action="store_true",
+                   help="t2i: keep the real caption tokens first (LlamaGen's flag; default: moved to the end)")
     g.add_argument("--num-images", type=int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--seed", type=int, default=0, help="image i uses seed+i")

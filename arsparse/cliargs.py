@@ -22,27 +22,60 @@ def positive_int(text: str) -> int:
     return v
 
 
-def load_features(path: str):
-    """Caption features (B, P, C) from .pt / .npy / .safetensors (the first tensor), as float32."""
+FEATURE_KEYS = ("caption_embs", "emb_masks")  # LlamaGen's names: T5 features and their padding masks
+
+
+def _read_tensors(path: str, what: str) -> dict:
+    """name -> tensor of a .pt / .npy / .npz / .safetensors file (a bare tensor or array is named "")."""
     import torch
 
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"caption-feature file not found: {p}")
-    if p.suffix == ".npy":
+        raise ValueError(f"{what} file not found: {p}")
+    if p.suffix in (".npy", ".npz"):
         import numpy as np
 
-        return torch.from_numpy(np.load(p)).float()
+        obj = np.load(p)
+        items = {k: obj[k] for k in obj.files} if p.suffix == ".npz" else {"": obj}
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in items.items()}
     if p.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return next(iter(load_file(str(p)).values())).float()
+        return load_file(str(p))
     obj = torch.load(p, map_location="cpu", weights_only=True)
-    if isinstance(obj, dict):
-        obj = next(iter(obj.values()))
-    if not isinstance(obj, torch.Tensor):
+    items = obj if isinstance(obj, dict) else {"": obj}
+    items = {k: v for k, v in items.items() if isinstance(v, torch.Tensor)}
+    if not items:
         raise ValueError(f"{p} holds no tensor")
-    return obj.float()
+    return items
+
+
+def load_captions(path: str, mask_path: str | None = None):
+    """Caption features (B, n, C) float32 and their padding mask (B, n) or None.
+
+    ``path``: .pt / .npy / .npz / .safetensors; with several tensors, ``caption_embs`` (and
+    ``emb_masks``, True/1 at real tokens), as LlamaGen's T5 embedder returns them, else the first.
+    ``mask_path``: a file holding the mask instead (``emb_masks`` or its first tensor).
+    """
+    items = _read_tensors(path, "caption-feature")
+    feats = items.get(FEATURE_KEYS[0], next(iter(items.values())))
+    mask = items.get(FEATURE_KEYS[1])
+    if mask_path is not None:
+        if mask is not None:
+            raise ValueError(f"{path} already holds emb_masks; leave out --caption-mask or use a file without them")
+        masks = _read_tensors(mask_path, "caption-mask")
+        mask = masks.get(FEATURE_KEYS[1], next(iter(masks.values())))
+    if feats.dim() == 2:  # one caption
+        feats = feats[None]
+        mask = mask[None] if mask is not None and mask.dim() == 1 else mask
+    if feats.dim() != 3 or not feats.is_floating_point():
+        raise ValueError(f"caption features must be float (B, tokens, dim), got {feats.dtype} {tuple(feats.shape)}")
+    return feats.float(), mask
+
+
+def load_features(path: str):
+    """Caption features (B, P, C) as float32 (see :func:`load_captions`; a mask is ignored)."""
+    return load_captions(path)[0]
 
 
 def add_model_args(p: argparse.ArgumentParser, vq_help: str = "VQ tokenizer checkpoint for --gpt-ckpt") -> None:

@@ -51,6 +51,12 @@ def _scatter_at(buf: torch.Tensor, slot: torch.Tensor, x: torch.Tensor) -> None:
     buf.scatter_(2, slot.view(B, 1, 1, 1).expand(B, Hkv, 1, D), x)
 
 
+def _no_caption_masks(mask) -> None:
+    if mask is not None:
+        raise ValueError("continuous batching does not take caption masks (prompt_mask) yet; "
+                         "use Generator.sample_tokens for padded t2i captions")
+
+
 class RowDenseKVCache(DenseKVCache):
     """The dense cache with a position per row: ``pos`` is (rows,).
 
@@ -64,6 +70,9 @@ class RowDenseKVCache(DenseKVCache):
         super().__init__(cfg, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
+
+    def set_prompt_mask(self, mask) -> None:
+        _no_caption_masks(mask)
 
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":
@@ -89,6 +98,9 @@ class RowRingKVCache(RingKVCache):
         super().__init__(cfg, policy, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
+
+    def set_prompt_mask(self, mask) -> None:
+        _no_caption_masks(mask)
 
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..models.gpt import GPT
+from ..prompt_mask import check_prompt_mask
 from .cache import KERNELS, DenseKVCache, default_kernel
 from .sampling import guide, row_key, sample
 
@@ -69,12 +70,14 @@ def row_keys(seed, B: int) -> list[int]:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What fixes the shape of the captured step: batch bucket, guidance on/off, static top-k bound, top-p on/off."""
+    """What fixes the shape of the captured step: batch bucket, guidance on/off, static top-k bound, top-p on/off,
+    caption masks on/off (the masked step reads the mask buffers; the unmasked one nothing extra)."""
 
     batch: int
     cfg: bool
     kmax: int
     top_p: bool
+    masked: bool = False
 
 
 class _Runner:
@@ -100,6 +103,8 @@ class _Runner:
         self.cfg_scale = torch.ones(b, **z)
         self.cfg_interval = torch.full((b,), -1, dtype=torch.long, **z)
         self.graph = None
+        if plan.masked:  # the mask buffers exist before the step is captured; set_prompt_mask refills them
+            self.cache.set_prompt_mask(torch.ones(rows, self.P, dtype=torch.bool, device=device))
         if compile_step:  # the sampling's many element-wise ops as a few kernels (the blocks: GPT.fuse)
             self._sample = torch.compile(self._sample, dynamic=False)
             if hasattr(self.cache, "fuse"):  # e.g. a scored policy's score/evict bookkeeping
@@ -116,8 +121,19 @@ class _Runner:
         return sample(logits, self.keys, step, self.temperature,
                       self.top_k if p.kmax else None, self.top_p if p.top_p else None, p.kmax)
 
+    def set_prompt_mask(self, mask: torch.Tensor | None) -> None:
+        """Caption masks (b, P) bool of the plan's batch (checked), or None; the guidance rows get the
+        same mask as their conditional rows, as in LlamaGen."""
+        if (mask is not None) != self.plan.masked:
+            raise ValueError(f"this runner was planned {'with' if self.plan.masked else 'without'} caption masks")
+        if mask is not None and self.plan.cfg:
+            mask = torch.cat([mask, mask])
+        self.cache.set_prompt_mask(mask)
+
     def prefill_logits(self, cond: torch.Tensor) -> torch.Tensor:
-        """Run the condition (guidance rows appended) through the model -> next-token logits (R, V)."""
+        """Run the condition (guidance rows appended) through the model -> next-token logits (R, V).
+
+        Caption masks: set beforehand (:meth:`set_prompt_mask`)."""
         gpt, cache = self.gpt, self.cache
         if self.plan.cfg:
             cond = torch.cat([cond, gpt.null_cond(cond)])
@@ -258,7 +274,7 @@ class Generator:
 
     @torch.no_grad()
     def sample_tokens(self, cond, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-                      cfg_interval=-1, progress: bool = False) -> torch.LongTensor:
+                      cfg_interval=-1, progress: bool = False, prompt_mask=None) -> torch.LongTensor:
         """Sample (B, N) image tokens for B conditions.
 
         Every sampling argument is a scalar or one value per image. ``seed`` is an int (image i of the
@@ -266,13 +282,17 @@ class Generator:
         its own seed only, never on the rest of the batch. ``top_k=1`` or ``temperature=0`` is greedy;
         ``top_k=0`` and ``top_p=1`` turn those filters off; ``cfg_scale=1`` turns guidance off;
         ``cfg_interval=-1`` guides every token (else, as LlamaGen, the first ``cfg_interval + 2``).
+        ``prompt_mask`` (t2i): (B, P) bool, True at real caption tokens (LlamaGen's ``emb_masks``,
+        left padding by default; see :mod:`arsparse.prompt_mask`); the unconditional rows of guidance
+        use the same mask, as in LlamaGen.
         """
-        run, cond, B = self.prepare(cond, cfg_scale, temperature, top_k, top_p, seed, cfg_interval)
+        run, cond, B = self.prepare(cond, cfg_scale, temperature, top_k, top_p, seed, cfg_interval, prompt_mask)
         return run.run(cond, progress)[:B].clone()
 
     @torch.no_grad()
-    def prepare(self, cond, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, seed=0, cfg_interval=-1):
-        """Check the arguments, pick (or capture) the runner, fill its buffers.
+    def prepare(self, cond, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, seed=0, cfg_interval=-1,
+                prompt_mask=None):
+        """Check the arguments, pick (or capture) the runner, fill its buffers (the caption masks too).
 
         Returns ``(runner, cond padded to the batch bucket, number of real images)``.
         """
@@ -280,6 +300,7 @@ class Generator:
         B = cond.shape[0]
         if B == 0:
             raise ValueError("no conditions given")
+        mask = check_prompt_mask(prompt_mask, B, self.config.cls_token_num, self.config.model_type)
         rows = sampling_rows(B, cfg_scale, temperature, top_k, top_p, cfg_interval)
         scale, temp, ks, ps, intervals = (rows[k] for k in ("cfg_scale", "temperature", "top_k", "top_p", "cfg_interval"))
         keys = row_keys(seed, B)
@@ -287,7 +308,7 @@ class Generator:
         use_cfg = any(s != 1.0 for s in scale)
         kmax = min(max(ks), self.config.vocab_size)
         b = bucket(B) if self.cuda_graphs else B
-        run = self._runner_for(_Plan(b, use_cfg, kmax, any(p < 1.0 for p in ps)))
+        run = self._runner_for(_Plan(b, use_cfg, kmax, any(p < 1.0 for p in ps), mask is not None))
 
         pad = b - B
 
@@ -302,20 +323,25 @@ class Generator:
         fill(run.cfg_interval, intervals, torch.long)
         if pad:
             cond = torch.cat([cond, cond[-1:].expand(pad, *cond.shape[1:])])
+        if mask is not None:
+            mask = mask.to(self.device)
+            run.set_prompt_mask(torch.cat([mask, mask[-1:].expand(pad, -1)]) if pad else mask)
         return run, cond, B
 
     @torch.no_grad()
-    def cached_logits(self, cond, tokens: torch.Tensor) -> torch.Tensor:
+    def cached_logits(self, cond, tokens: torch.Tensor, prompt_mask=None) -> torch.Tensor:
         """Teacher forcing through the decode path: logits (B, T, V) of the cache, step by step.
 
-        Equals ``gpt.logits(cond, tokens, policy=self.policy)`` up to float rounding; no guidance,
-        no sampling.
+        Equals ``gpt.logits(cond, tokens, policy=self.policy, prompt_mask=prompt_mask)`` up to float
+        rounding; no guidance, no sampling.
         """
         cond = torch.as_tensor(cond).to(self.device)
         self.gpt.check_cond(cond, allow_null=True)
+        mask = check_prompt_mask(prompt_mask, cond.shape[0], self.config.cls_token_num, self.config.model_type)
         tokens = tokens.to(self.device)
-        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False), self.device, False, self.kernel,
-                      policy=self.policy)
+        run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False, mask is not None), self.device, False,
+                      self.kernel, policy=self.policy)
+        run.set_prompt_mask(None if mask is None else mask.to(self.device))
         out = [run.prefill_logits(cond)]
         for t in range(1, tokens.shape[1]):
             run.cur.copy_(tokens[:, t - 1])

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layout import Layout
+from ..prompt_mask import attention_mask, check_prompt_mask
 from .config import GPTConfig
 from .rope import apply_rope, rope_table
 
@@ -25,6 +26,27 @@ class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, D), k/v (B, Hkv, T, D) of the new positions -> output (B, H, T, D)."""
         ...
+
+
+class MaskedAttention:
+    """Attention restricted by boolean masks (True = attend), for teacher forcing.
+
+    ``layers`` (L, H, T, T): one mask per layer (an offset policy's read sets); ``rows``
+    (B, 1, T, T): one per sequence (caption padding, :func:`arsparse.prompt_mask.attention_mask`).
+    Either or both; with both a key is read where both allow it.
+    """
+
+    def __init__(self, layers: torch.Tensor | None = None, rows: torch.Tensor | None = None, gqa: bool = False):
+        if layers is None and rows is None:
+            raise ValueError("MaskedAttention needs layers= or rows= masks")
+        self.layers, self.rows, self.gqa = layers, rows, gqa
+
+    def attend(self, layer: int, q, k, v):
+        if self.layers is None:
+            mask = self.rows
+        else:
+            mask = self.layers[layer][None] if self.rows is None else self.layers[layer][None] & self.rows
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
 
 
 # ---- the block's arithmetic as pure functions of tensors --------------------------------------
@@ -244,20 +266,23 @@ class GPT(nn.Module):
         return self.output(h).float()
 
     def logits(self, cond: torch.Tensor, tokens: torch.Tensor, policy=None,
-               backend: AttentionBackend | None = None) -> torch.Tensor:
+               backend: AttentionBackend | None = None, prompt_mask=None) -> torch.Tensor:
         """Teacher-forced logits (B, T, vocab): position i predicts image token i from cond and tokens < i.
 
         With ``policy`` (a name or a policy object), attention is computed as the decode path
         computes it under that policy: masked to each query's read set for offset policies,
         token by token through the evicting cache for scored ones. ``backend`` overrides attention
-        directly (used by the policies themselves).
+        directly (used by the policies themselves; it applies any caption mask itself).
+        ``prompt_mask`` (t2i): (B, P) bool, True at real caption tokens; padded prompt keys are
+        read by no query but their own, as in LlamaGen (see :mod:`arsparse.prompt_mask`).
         """
+        cfg = self.config
+        self.check_cond(cond, allow_null=True)
+        mask = check_prompt_mask(prompt_mask, cond.shape[0], cfg.cls_token_num, cfg.model_type)
         if policy is not None:
             from ..policies import resolve
 
-            return resolve(policy).prepare(self).teacher_forced_logits(self, cond, tokens)
-        cfg = self.config
-        self.check_cond(cond, allow_null=True)
+            return resolve(policy).prepare(self).teacher_forced_logits(self, cond, tokens, prompt_mask=mask)
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"tokens must be a (B, T) integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -266,11 +291,16 @@ class GPT(nn.Module):
         if not 1 <= T <= cfg.image_tokens:
             raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns, got {T}")
         h = torch.cat([self.embed_cond(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # (B, P+T-1, dim)
+        if mask is not None:
+            if backend is not None:
+                raise ValueError("give prompt_mask or backend, not both: a backend applies the caption mask itself")
+            rows = attention_mask(mask.to(h.device), h.shape[1])  # (B, 1, P+T-1, P+T-1)
+            backend = MaskedAttention(rows=rows, gqa=cfg.kv_heads != cfg.n_head)
         positions = torch.arange(h.shape[1], device=h.device)
         h = self.forward_hidden(h, positions, backend)
         return self.head(h[:, cfg.cls_token_num - 1 :])
 
-    def loss(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def loss(self, cond: torch.Tensor, tokens: torch.Tensor, prompt_mask=None) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of teacher forcing: the training objective."""
-        logits = self.logits(cond, tokens)
+        logits = self.logits(cond, tokens, prompt_mask=prompt_mask)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..engine.cache import KERNELS
+from ..engine.cache import KERNELS, CaptionMask
 from ..kernels.reference import slot_decode_attention_ref
 from ..layout import Layout
 from ..models.config import GPTConfig
@@ -33,8 +33,8 @@ def _attend_gathered(q, keys, values, valid):
     return out.to(q.dtype), w
 
 
-class _PromptCache:
-    """Shared by both caches: the prompt's K/V (kept for good) and the prefill phase."""
+class _PromptCache(CaptionMask):
+    """Shared by both caches: the prompt's K/V (kept for good), its caption mask and the prefill phase."""
 
     def __init__(self, cfg: GPTConfig, rows: int, dtype, device):
         self.P = cfg.cls_token_num
@@ -54,7 +54,7 @@ class _PromptCache:
         T = k.shape[2]
         self.pk[layer, :, :, :T] = k
         self.pv[layer, :, :, :T] = v
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        return self._prefill_attention(q, k, v, self.gqa)
 
     def _heads(self, x):
         """(B, Hkv, ...) -> (B, H, ...) for grouped-query attention."""
@@ -66,7 +66,8 @@ class RingKVCache(_PromptCache):
 
     Image position ``p`` lives in ring slot ``(p - P) % window``; sink ``j`` (position ``P + j``)
     also in its own buffer, so it outlives the ring. A query reads the prompt, the sinks written
-    so far, and the ring slots of ``pos - offset`` for the offsets of its (layer, head).
+    so far, and the ring slots of ``pos - offset`` for the offsets of its (layer, head); with a
+    caption mask, the prompt less its padded positions.
     """
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
@@ -112,6 +113,8 @@ class RingKVCache(_PromptCache):
                             rv.gather(2, idx)], dim=2)
         valid = torch.cat([torch.ones(H, self.P, dtype=torch.bool, device=q.device),
                            (self._sink_idx <= i).expand(H, self.S), ok], dim=1)[None]  # (1, H, n_read)
+        if self.prompt_keep is not None:  # (B, H, n_read): padded caption positions are not read
+            valid = valid & F.pad(self.prompt_keep, (0, valid.shape[-1] - self.P), value=True)[:, None, :]
         return _attend_gathered(q, keys, values, valid)[0]
 
     def _decode_triton(self, layer: int, q, k, v, pos):
@@ -121,9 +124,10 @@ class RingKVCache(_PromptCache):
         from ..kernels.triton import ring_decode_attention
 
         B = q.shape[0]
+        span = None if self.prompt_span is None else self.prompt_span[:B]
         return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
                                      self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
-                                     self.offsets[layer], pos, self.S).unsqueeze(2)
+                                     self.offsets[layer], pos, self.S, prompt_span=span).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):
@@ -186,9 +190,10 @@ class SlotKVCache(_PromptCache):
             return self._prefill(layer, q, k, v)
         kc, vc, spos, score = self.k[layer], self.v[layer], self.spos[layer], self.score[layer]
         self._write(kc, vc, spos, score, k, v)
-        # 2. attend over the prompt and the occupied slots; w_slots (B, Hkv, C): the slots' weights
-        # summed over the query heads of each kv head.
-        out, w_slots = self._attend_slots(q[:, :, 0], self.pk[layer], self.pv[layer], kc, vc, spos)
+        # 2. attend over the prompt (less its padded caption positions) and the occupied slots;
+        # w_slots (B, Hkv, C): the slots' weights summed over the query heads of each kv head.
+        out, w_slots = self._attend_slots(q[:, :, 0], self.pk[layer], self.pv[layer], kc, vc, spos,
+                                          prompt_span=self.prompt_span)
         stats = {name: t[layer] for name, t in self.stats.items()}
         self._bookkeep(spos, score, self.head_cap[layer], stats, w_slots)
         return out.unsqueeze(2)
@@ -217,14 +222,3 @@ class SlotKVCache(_PromptCache):
         evictable = (spos >= 0) & ~pol.protected(spos, self.pos, lay)
         excess = (spos >= 0).sum(-1, keepdim=True) - cap[..., None]  # (B, Hkv, 1)
         spos.masked_fill_(pol.evict(score, spos, evictable, excess, stats, lay), -1)
-
-
-class MaskedAttention:
-    """Teacher forcing under an offset policy: causal attention restricted by (L, H, T, T) read masks."""
-
-    def __init__(self, masks: torch.Tensor, gqa: bool):
-        self.masks = masks
-        self.gqa = gqa
-
-    def attend(self, layer: int, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[layer][None], enable_gqa=self.gqa)

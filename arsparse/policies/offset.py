@@ -40,14 +40,20 @@ class OffsetPolicy(Policy):
 
         return RingKVCache(cfg, self, rows, dtype, device, kernel=kernel)
 
-    def teacher_forced_logits(self, gpt, cond, tokens):
-        """Attention restricted to each query's read set: what the ring cache computes, in one pass."""
-        from .caches import MaskedAttention
+    def teacher_forced_logits(self, gpt, cond, tokens, prompt_mask=None):
+        """Attention restricted to each query's read set: what the ring cache computes, in one pass.
+
+        ``prompt_mask`` (B, P) bool (t2i caption padding, checked): the prompt block is the whole
+        prompt, less its padded positions.
+        """
+        from ..models.gpt import MaskedAttention
+        from ..prompt_mask import attention_mask
 
         cfg = gpt.config
         T = cfg.cls_token_num + tokens.shape[1] - 1
         masks = self.mask(gpt.layout, T, cfg.n_layer, cfg.n_head).to(tokens.device)
-        return gpt.logits(cond, tokens, backend=MaskedAttention(masks, cfg.kv_heads != cfg.n_head))
+        rows = None if prompt_mask is None else attention_mask(prompt_mask.to(tokens.device), T)
+        return gpt.logits(cond, tokens, backend=MaskedAttention(masks, rows, gqa=cfg.kv_heads != cfg.n_head))
 
     # -- derived -----------------------------------------------------------------
     def offset_table(self, layout: Layout, n_layer: int, n_head: int) -> torch.Tensor:

@@ -22,8 +22,8 @@ class DensePolicy(Policy):
 
         return DenseKVCache(cfg, rows, dtype, device, kernel=kernel)
 
-    def teacher_forced_logits(self, gpt, cond, tokens):
-        return gpt.logits(cond, tokens)
+    def teacher_forced_logits(self, gpt, cond, tokens, prompt_mask=None):
+        return gpt.logits(cond, tokens, prompt_mask=prompt_mask)
 
     def budget(self, layout, n_layer=1, n_head=1):
         P, N = layout.prefix_len, layout.image_tokens

@@ -110,13 +110,13 @@ class ScoredPolicy(Policy):
 
         return SlotKVCache(cfg, self, rows, dtype, device, kernel=kernel)
 
-    def teacher_forced_logits(self, gpt, cond, tokens):
+    def teacher_forced_logits(self, gpt, cond, tokens, prompt_mask=None):
         """Token by token through the evicting cache: the same computation as decoding."""
         from ..engine.generator import Generator
 
         p = next(gpt.parameters())
         gen = Generator(gpt, device=p.device, dtype=p.dtype, cuda_graphs=False, compile=False, policy=self)
-        return gen.cached_logits(cond, tokens)
+        return gen.cached_logits(cond, tokens, prompt_mask=prompt_mask)
 
 
 def _recent(pos, q, n):

@@ -4,23 +4,37 @@ import triton.language as tl
 
 
 @triton.jit
+def _finite_max(m, GUARD: tl.constexpr):
+    """The running max as a subtraction reference: -inf (nothing read yet) becomes 0 when ``GUARD``."""
+    if GUARD:
+        m = tl.where(m == float("-inf"), 0.0, m)
+    return m
+
+
+@triton.jit
 def decode_split_kernel(
-    Q, KN, VN, K, V, POS, O_PART, M_PART, L_PART, OUT,
+    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
-    S, scale, chunk, D,
+    S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_SPAN: tl.constexpr,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
     The new token (KN, VN) belongs at ``pos``: the split that holds ``pos`` writes it to the cache
     and takes it from registers; every split reads from memory only positions below ``pos``, so no
     program reads the slot being written. ``DIRECT`` (one split): the normalised output goes to OUT.
+    ``HAS_SPAN``: of the prompt positions (below P) only SPAN[b] = [lo, hi) are read (caption
+    padding); a tile may then hold no readable position, so the running max is guarded.
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
     pos = tl.load(POS + b * spos)
+    if HAS_SPAN:
+        lo = tl.load(SPAN + 2 * b)
+        hi = tl.load(SPAN + 2 * b + 1)
     start = sp * chunk
     end = tl.minimum(tl.minimum(start + chunk, pos), S)  # read [start, end) from memory
     own = (pos >= start) & (pos < start + chunk) & (pos < S)  # this split holds the new token
@@ -51,13 +65,16 @@ def decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             nmask = n < end
+            if HAS_SPAN:
+                nmask = nmask & (n >= lo) & ((n < hi) | (n >= P))
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
-            alpha = tl.exp(m1 - m_new)
-            p1 = tl.exp(s1 - m_new)
+            m_ref = _finite_max(m_new, HAS_SPAN)
+            alpha = tl.exp(m1 - m_ref)
+            p1 = tl.exp(s1 - m_ref)
             l1 = l1 * alpha + tl.sum(p1, axis=0)
             acc1 = acc1 * alpha + tl.sum(p1[:, None] * v, axis=0)
             m1 = m_new
@@ -72,14 +89,17 @@ def decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             nmask = n < end
+            if HAS_SPAN:
+                nmask = nmask & (n >= lo) & ((n < hi) | (n >= P))
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
             s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_ref = _finite_max(m_new, HAS_SPAN)
+            alpha = tl.exp(m - m_ref)
+            p = tl.exp(s - m_ref[:, None])
             l = l * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new

@@ -24,14 +24,17 @@ def _store_new_token(kn, vn, SK, SV, RK, RV, b, hk, i, write, ss_b, ss_h, ss_s, 
 
 
 @triton.jit
-def _fixed_scores(q, kn, vn, PK, PV, SK, SV, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, P, S, offs_d, dmask,
-                  BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+def _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, P, S, offs_d, dmask,
+                  BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SPAN: tl.constexpr):
     """Scores and values of the prompt and of the sinks reached so far (sink j holds position P + j).
 
+    ``HAS_SPAN``: only the prompt positions SPAN[b] = [lo, hi) are read (caption padding).
     -> s_p (BP,), v_p (BP, BD), s_s (BS,), v_s (BS, BD); -inf scores where not read.
     """
     jp = tl.arange(0, BLOCK_P)
     pmask = jp < P
+    if HAS_SPAN:
+        pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
     p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
     kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
@@ -74,11 +77,12 @@ def _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, jo, sr_b, sr_h, sr_s, so
 
 @triton.jit
 def ring_decode_kernel(
-    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, OUT,
+    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h,
     P, S, W, n_off, scale, D,
     G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SPAN: tl.constexpr,
 ):
     """One (row, query head): the prompt, the sinks written so far and the ring slots of pos - offsets,
     all in one tile each. The last query head of each kv head writes the new token.
@@ -97,8 +101,8 @@ def ring_decode_kernel(
     kn_c = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
     vn_c = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
     kn, vn = kn_c.to(tl.float32), vn_c.to(tl.float32)
-    s_p, vp, s_s, vs = _fixed_scores(q, kn, vn, PK, PV, SK, SV, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
-                                     P, S, offs_d, dmask, BLOCK_P, BLOCK_S)
+    s_p, vp, s_s, vs = _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
+                                     P, S, offs_d, dmask, BLOCK_P, BLOCK_S, HAS_SPAN)
     s_r, vr = _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, tl.arange(0, BLOCK_O), sr_b, sr_h, sr_s, so_h,
                            P, S, W, n_off, offs_d, dmask)
 
@@ -115,12 +119,12 @@ def ring_decode_kernel(
 
 @triton.jit
 def ring_decode_grouped_kernel(
-    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, OUT,
+    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h,
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr,
 ):
     """Candidate (not used by the engine): one (block of ROWS rows, kv head) per program.
 
@@ -145,9 +149,9 @@ def ring_decode_grouped_kernel(
         kn_c = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)
         vn_c = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
         kn, vn = kn_c.to(tl.float32), vn_c.to(tl.float32)
-        s_p, vp, s_s, vs = _fixed_scores(q, kn, vn, PK, PV, SK, SV, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
-                                         P, S, offs_d, dmask, BLOCK_P, BLOCK_S)
-        m = tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0))  # finite: the prompt is never empty
+        s_p, vp, s_s, vs = _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h,
+                                         ss_s, P, S, offs_d, dmask, BLOCK_P, BLOCK_S, HAS_SPAN)
+        m = tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0))  # finite: the prompt (span) is never empty
         p_p = tl.exp(s_p - m)
         p_s = tl.exp(s_s - m)
         l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0)

@@ -48,13 +48,14 @@ def _online_block(q, k, v, valid, m, l, acc, BLOCK_G: tl.constexpr):
 
 @triton.jit
 def slots_split_kernel(
-    Q, PK, PV, K, V, SPOS, S_OUT, O_PART, M_PART, L_PART,
+    Q, PK, PV, K, V, SPOS, SPAN, S_OUT, O_PART, M_PART, L_PART,
     sq_b, sq_h, sp_b, sp_h, sp_s, sk_b, sk_h, sk_s, ss_b, ss_h, sl_b, sl_h, so_b, so_h, so_s, sm_b, sm_h,
     P, C, chunk, scale, D,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr,
 ):
     """One (row, kv head, split): the G query heads of the group over slots [start, start + chunk)
-    (and the prompt, for split 0). Free slots (position -1) are neither read nor counted."""
+    (and the prompt, for split 0: all of it, or with ``HAS_SPAN`` only SPAN[b] = [lo, hi), the
+    caption's real tokens). Free slots (position -1) are neither read nor counted."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -75,11 +76,15 @@ def slots_split_kernel(
     l = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
 
-    # the prompt: always read, by split 0 only
+    # the prompt (its real tokens): always read, by split 0 only
     pk_base = PK + b * sp_b + hk * sp_h
     pv_base = PV + b * sp_b + hk * sp_h
+    p_start = 0
     p_end = tl.where(sp == 0, P, 0)
-    for n0 in range(0, p_end, BLOCK_N):
+    if HAS_SPAN:
+        p_start = tl.load(SPAN + 2 * b)
+        p_end = tl.where(sp == 0, tl.load(SPAN + 2 * b + 1), 0)
+    for n0 in range(p_start, p_end, BLOCK_N):
         n = n0 + offs_n
         valid = n < p_end
         kv_mask = valid[:, None] & dmask[None, :]

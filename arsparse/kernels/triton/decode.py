@@ -33,6 +33,17 @@ def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:
     return pos.stride(0)
 
 
+def check_prompt_span(span, B: int, device: torch.device) -> None:
+    """A caption mask as the kernels read it: (B, 2) contiguous int32 ``[start, end)`` per row, on ``device``.
+
+    The values are not checked here (that would sync with the device): each row needs
+    ``0 <= start < end <= P``, as :func:`arsparse.prompt_mask.prompt_span` makes them.
+    """
+    if span.dtype != torch.int32 or tuple(span.shape) != (B, 2) or not span.is_contiguous() or span.device != device:
+        raise ValueError(f"prompt_span must be a contiguous int32 (B={B}, 2) tensor of [start, end) on {device}, "
+                         f"got {span.dtype} {tuple(span.shape)} on {span.device}")
+
+
 def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
     """The new token's keys and values: (B, Hkv, D) each, the cache's dtype, unit last stride."""
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -44,7 +55,8 @@ def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, prompt_span: torch.Tensor | None = None,
+                     prompt_len: int = 0) -> torch.Tensor:
     """Write the new token at ``pos`` and attend over cache positions ``0..pos``, in one kernel.
 
     The cache is read only below ``pos``; the new token's K/V are written to slot ``pos`` and used
@@ -57,6 +69,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     k_cache, v_cache : (B, Hkv, S, D) tensors, same dtype, unit last stride; H % Hkv == 0
     pos : integer tensor on the same device (read on the device): one position for every row, or
         (B,) one per row; a position outside ``0..S-1`` writes nothing
+    prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads prompt positions
+        (those below ``prompt_len``) only in ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty
+        range; padded positions are not read. None (the default): no padding, no extra loads.
     Returns (B, H, D) in q's dtype; fp32 accumulation.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -72,6 +87,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("q, k_cache and v_cache need a unit stride in the last (head) dimension")
     check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
     spos = position_stride(pos, B, q.device)
+    if prompt_span is not None:
+        check_prompt_span(prompt_span, B, q.device)
+        if not 1 <= prompt_len <= S:
+            raise ValueError(f"prompt_len must be in 1..{S} (the cache length) with a prompt_span, got {prompt_len}")
     G = H // Hkv
     splits = num_splits or choose_splits(B, Hkv, S, q.device)
     chunk = -(-S // splits)
@@ -89,14 +108,16 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_g = max(1, triton.next_power_of_2(G))
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
-        q, k_new, v_new, k_cache, v_cache, pos, o_part, m_part, l_part, out,
+        q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
+        o_part, m_part, l_part, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
-        S, scale, chunk, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DIRECT=direct, **SPLIT_LAUNCH,
+        S, scale, chunk, D, prompt_len,
+        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
+        **SPLIT_LAUNCH,
     )
     if not direct:
         combine_kernel[(B, H)](

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from ._ring import ring_decode_grouped_kernel, ring_decode_kernel
-from .decode import check_new_kv, position_stride
+from .decode import check_new_kv, check_prompt_span, position_stride
 
 #: Launch options (chosen by a sweep on an H200, see BENCHMARKS.md).
 LAUNCH = dict(num_warps=2)
@@ -14,7 +14,8 @@ GROUPED_KEYS = {"rows", "block_o", "num_warps", "num_stages"}
 
 
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
-                          n_sinks: int, scale: float | None = None, grouped: dict | None = None) -> torch.Tensor:
+                          n_sinks: int, scale: float | None = None, grouped: dict | None = None,
+                          prompt_span: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -34,6 +35,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     grouped : the candidate kernel's settings (``rows``, ``block_o``, ``num_warps``, ``num_stages``):
         one program per (rows, kv head), the ring read in chunks (for the launch sweep; the engine
         runs the default kernel, one program per (row, query head))
+    prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
+        ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -60,15 +63,18 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         raise ValueError("q needs a unit last stride and offsets must be contiguous")
     check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
     spos = position_stride(pos, B, q.device)
+    if prompt_span is not None:
+        check_prompt_span(prompt_span, B, q.device)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     n_off = offsets.shape[1]
-    args = (q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos, out,
+    args = (q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
+            pos if prompt_span is None else prompt_span, out,
             q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), sink_k.stride(0), sink_k.stride(1),
             sink_k.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), offsets.stride(0), spos,
             out.stride(0), out.stride(1))
     blocks = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
-                  BLOCK_D=triton.next_power_of_2(D))
+                  BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
     if grouped is None:
         ring_decode_kernel[(B, H)](*args, P, n_sinks, W, n_off, scale, D, G=H // Hkv,

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from ._slots import slots_combine_kernel, slots_split_kernel
-from .decode import choose_splits
+from .decode import check_prompt_span, choose_splits
 
 BLOCK_N = 64  # slots per block of the split pass
 BLOCK_C = 64  # slots per block of the weights pass
@@ -16,7 +16,8 @@ COMBINE_LAUNCH = dict(num_warps=4)
 
 def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, slot_k: torch.Tensor,
                           slot_v: torch.Tensor, slot_pos: torch.Tensor, scale: float | None = None,
-                          num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          num_splits: int | None = None,
+                          prompt_span: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over the prompt and the occupied slots of each (row, kv head).
 
     Parameters
@@ -27,6 +28,8 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     slot_pos : (B, Hkv, C) int64 sequence position of each slot, -1 for a free slot (never read)
     scale : logit scale, default D ** -0.5
     num_splits : splits of the slot table (default: enough programs to fill the GPU)
+    prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
+        ``[prompt_span[b, 0], prompt_span[b, 1])`` (padded ones get no weight). None: the whole prompt.
 
     Returns
     -------
@@ -63,6 +66,8 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
                          f"stride, got {slot_pos.dtype} {tuple(slot_pos.shape)} on {slot_pos.device}")
     if C == 0:
         raise ValueError("the slot table is empty (C = 0)")
+    if prompt_span is not None:
+        check_prompt_span(prompt_span, B, q.device)
     G = H // Hkv
     splits = num_splits or choose_splits(B, Hkv, C, q.device)
     chunk = -(-C // splits)
@@ -78,13 +83,14 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     block_d = triton.next_power_of_2(D)
     block_g = triton.next_power_of_2(G)
     slots_split_kernel[(B, Hkv, splits)](
-        q, prompt_k, prompt_v, slot_k, slot_v, slot_pos, logits, o_part, m_part, l_part,
+        q, prompt_k, prompt_v, slot_k, slot_v, slot_pos, slot_pos if prompt_span is None else prompt_span,
+        logits, o_part, m_part, l_part,
         q.stride(0), q.stride(1), prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2),
         slot_k.stride(0), slot_k.stride(1), slot_k.stride(2), slot_pos.stride(0), slot_pos.stride(1),
         logits.stride(0), logits.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         m_part.stride(0), m_part.stride(1),
         P, C, chunk, D**-0.5 if scale is None else scale, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, **SPLIT_LAUNCH,
+        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, HAS_SPAN=prompt_span is not None, **SPLIT_LAUNCH,
     )
     slots_combine_kernel[(B, Hkv)](
         o_part, m_part, l_part, logits, out, weights,
