@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .engine.generator import Generator
+from .engine.generator import COMPILE_MODES, Generator
 from .models.config import GPTConfig, gpt_config
 from .models.gpt import GPT
 
@@ -71,7 +71,7 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
-          cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool = False,
+          cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
@@ -217,7 +217,7 @@ def cmd_bench(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
-                   cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile, memory_gb=args.memory_gb,
+                   cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
@@ -252,7 +252,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
     b.add_argument("--cfg-scale", type=float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
-    b.add_argument("--compile", action="store_true", help="torch.compile the step before capture (slow to build)")
+    b.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
+                   help="torch.compile the step before capture (slow to build); MODE: "
+                        f"{' or '.join(COMPILE_MODES)} (default: default)")
     b.add_argument("--profile", action="store_true", help="also list each row's top GPU kernels per decode step")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")

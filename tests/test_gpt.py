@@ -204,3 +204,12 @@ def test_fused_blocks_equal_the_module_path(model_type):
         model.fuse(None)
         torch.testing.assert_close(gen.cached_logits(cond, tokens), ref, atol=1e-5, rtol=1e-5)
         model.unfuse()
+
+
+def test_unknown_compile_mode_is_refused_by_name():
+    from arsparse.engine.generator import COMPILE_MODES, Generator
+
+    model = random_gpt("c2i", seed=2)
+    with pytest.raises(ValueError, match="unknown compile mode 'reduce-overhead'.*" + COMPILE_MODES[-1]):
+        Generator(model, device="cpu", dtype="fp32", compile="reduce-overhead")
+    assert Generator(model, device="cpu", dtype="fp32", compile=False).compile is False

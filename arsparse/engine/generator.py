@@ -12,6 +12,10 @@ from tqdm.auto import tqdm
 from ..models.gpt import GPT
 from ..prompt_mask import check_prompt_mask
 from .cache import KERNELS, DenseKVCache, default_kernel
+
+# torch.compile modes for the blocks (the step is captured in our own CUDA graphs, so none of
+# the modes that capture graphs themselves)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 from .sampling import guide, row_key, sample
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -210,16 +214,18 @@ class Generator:
         Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
     kernel : {"torch", "triton"}, optional
         Decode attention implementation (default: Triton on CUDA when installed).
-    compile : bool, optional
+    compile : bool or str, optional
         ``torch.compile`` the two halves of a transformer block (once, shared by every layer:
         :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
-        ``kernel``. Fewer, fused kernels per step: what batch 1 needs (default: off).
+        ``kernel``. Fewer, fused kernels per step: what batch 1 needs (default: off). A string is
+        the compile mode of the blocks, one of :data:`COMPILE_MODES` (``True`` is ``"default"``;
+        ``"max-autotune-no-cudagraphs"`` also tries Triton matmuls with the element-wise work fused in).
     policy : str or Policy, optional
         Sparse-attention policy (see ``arsparse policies``); default dense.
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
-                 kernel: str | None = None, compile: bool = False, policy=None):
+                 kernel: str | None = None, compile: bool | str = False, policy=None):
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -228,9 +234,13 @@ class Generator:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
-        self.compile = bool(compile)
+        mode = "default" if compile is True else compile or None
+        if mode is not None and mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile mode {compile!r}; choose one of {', '.join(COMPILE_MODES)} "
+                             f"(or True / False)")
+        self.compile = mode is not None
         if self.compile:
-            self.gpt.fuse(partial(torch.compile, dynamic=False, fullgraph=True))
+            self.gpt.fuse(partial(torch.compile, dynamic=False, fullgraph=True, mode=mode))
         else:
             self.gpt.unfuse()
         self.kernel = kernel or default_kernel(self.device)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The policy benchmarks of BENCHMARKS.md, run from the repo root on the device machine (H200):
-#   bash docs/bench/h200-policies.sh a|b|c|d   (device calls; c = after the kernel sweep; d = after fusing the K/V
-#   writes into the dense and ring kernels; .llamagen = a LlamaGen checkout, carried)
+#   bash docs/bench/h200-policies.sh a|b|c|d|e   (device calls; c = after the kernel sweep; d = after fusing the K/V
+#   writes into the dense and ring kernels; e = compile modes, compiled max batch, scored policies after
+#   run 4; .llamagen = a LlamaGen checkout, carried)
 # Each part has its own time limit; JSON under $OUT.
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -28,6 +29,13 @@ elif [ "$1" = d ]; then
 timeout 300 python3 -m pytest -q tests/test_cuda.py tests/test_serve_engine.py 2>&1 | tail -3
 B 120 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --out $OUT/bench576_fused.json
 B 80 --image-tokens 576 --batch 1 --compile --policies "dense;diagonal" --out $OUT/bench576_b1_fused.json
+elif [ "$1" = e ]; then
+B 150 --image-tokens 576 --batch 1 --compile max-autotune-no-cudagraphs --policies "dense;diagonal" \
+    --out $OUT/bench576_b1_autotune.json
+B 220 --image-tokens 1024 --batch max --compile --policies "dense;diagonal;streaming:rho=$R1024" \
+    --out $OUT/bench1024_compiled.json
+B 150 --image-tokens 576 --batch 256 --compile --profile \
+    --policies "lines:rho=$R576;h2o:rho=$R576;tova:rho=$R576;headkv:rho=$R576" --out $OUT/bench576_scored.json
 else
 timeout 60 python3 -m pytest -q tests/test_cuda.py -k "slot_kernel or scored_policy_triton" 2>&1 | tail -2
 timeout 90 python3 -c "
