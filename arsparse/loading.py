@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, load_into, read_state_dict
-from .models.config import GPT_PRESETS, GPTConfig, gpt_config
+from .models.config import DROPOUT_FIELDS, GPT_PRESETS, GPTConfig, gpt_config
 from .models.gpt import GPT
 from .models.vq import VQConfig, VQModel, vq_config
 from .tokenizers import VQTokenizer
@@ -35,9 +35,15 @@ def read_metadata(path) -> dict[str, str]:
 
 
 def config_metadata(config) -> dict[str, str]:
-    """Metadata entry that lets :func:`load_gpt` / :func:`load_vq` rebuild ``config``."""
-    key = GPT_META if isinstance(config, GPTConfig) else VQ_META
-    return {key: json.dumps(asdict(config))}
+    """Metadata entry that lets :func:`load_gpt` / :func:`load_vq` rebuild ``config``.
+
+    A GPT's dropouts are written only when non-zero, so a file without dropout has the header it had
+    before they existed (and loads in versions that do not know them).
+    """
+    if isinstance(config, GPTConfig):
+        d = {k: v for k, v in asdict(config).items() if not (k in DROPOUT_FIELDS and v == 0)}
+        return {GPT_META: json.dumps(d)}
+    return {VQ_META: json.dumps(asdict(config))}
 
 
 def _infer_gpt_config(sd: dict, preset: str | None, image_tokens: int | None, model_type: str | None) -> GPTConfig:

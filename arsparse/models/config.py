@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 # LlamaGen's sizes (class-conditional B..XXXL, text-conditional 1B..7B).
 GPT_PRESETS: dict[str, dict] = {
@@ -21,6 +21,10 @@ GPT_PRESETS: dict[str, dict] = {
 
 MODEL_TYPES = ("c2i", "t2i")
 
+#: LlamaGen's training-time dropouts (fields of :class:`GPTConfig`). They add no weights and act only in
+#: ``model.train()``; exported weights carry them as 0 (a shipped file describes an inference model).
+DROPOUT_FIELDS = ("token_dropout_p", "attn_dropout_p", "resid_dropout_p", "ffn_dropout_p", "drop_path_rate")
+
 
 def _round_up(n: int, k: int) -> int:
     return n if n % k == 0 else n + k - n % k
@@ -33,6 +37,13 @@ class GPTConfig:
     The image is a ``grid_h x grid_w`` raster of tokens; the condition takes
     ``cls_token_num`` positions in front of it (1 for a class label, 120 for T5
     caption features).
+
+    Dropouts, all 0 by default and active only in ``model.train()`` (LlamaGen's placement; its
+    defaults are 0.1, 0, 0.1, 0.1, 0): ``token_dropout_p`` on the input embeddings (condition and
+    tokens), ``attn_dropout_p`` on the attention weights, ``resid_dropout_p`` on the attention
+    output (after ``wo``), ``ffn_dropout_p`` on the feed-forward output (after ``w2``),
+    ``drop_path_rate`` stochastic depth of each residual branch, rising linearly from 0 at the first
+    layer to this at the last. The fused path (:meth:`GPT.fuse`, inference only) has none.
     """
 
     dim: int = 768
@@ -51,6 +62,11 @@ class GPTConfig:
     cls_token_num: int = 1
     grid_h: int = 16
     grid_w: int = 16
+    token_dropout_p: float = 0.0
+    attn_dropout_p: float = 0.0
+    resid_dropout_p: float = 0.0
+    ffn_dropout_p: float = 0.0
+    drop_path_rate: float = 0.0
 
     def __post_init__(self):
         def bad(msg):
@@ -74,6 +90,14 @@ class GPTConfig:
             bad(f"caption_dim must be >= 1 for t2i, got {self.caption_dim}")
         if not 0.0 <= self.class_dropout_prob < 1.0:
             bad(f"class_dropout_prob must be in [0, 1), got {self.class_dropout_prob}")
+        for f in DROPOUT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+                bad(f"{f} must be a number in [0, 1) (0: off), got {v!r}")
+
+    def without_dropout(self) -> "GPTConfig":
+        """This architecture with every dropout 0: what an exported (inference) file describes."""
+        return replace(self, **{f: 0.0 for f in DROPOUT_FIELDS})
 
     # ---- derived sizes -------------------------------------------------
     @property

@@ -83,6 +83,12 @@ def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
     return h + swiglu(rms_norm(h, norm_w, eps), w1, w3, w2)
 
 
+def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Stochastic depth of a residual branch x (B, ...): zero it for a random ``p`` of the rows, scale the rest."""
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1.0 - p)  # (B, 1, ...)
+    return x * keep.div_(1.0 - p)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -127,15 +133,22 @@ class CaptionEmbedder(nn.Module):
         return self.cap_proj(caption)
 
 
+# The dropouts below are functional (no modules, no state-dict keys) and behind ``self.training``
+# checks, so that an eval-mode forward does exactly the work it did before they existed.
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.dropout_p = cfg.ffn_dropout_p
 
     def forward(self, x):
-        return swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight)
+        out = swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight)
+        if self.training and self.dropout_p:
+            out = F.dropout(out, self.dropout_p, training=True)
+        return out
 
 
 class Attention(nn.Module):
@@ -144,15 +157,20 @@ class Attention(nn.Module):
         self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.attn_dropout_p, self.resid_dropout_p = cfg.attn_dropout_p, cfg.resid_dropout_p
 
     def forward(self, x, rope, layer: int, backend: AttentionBackend | None):
         q, k, v = qkv_rope(x, self.wqkv.weight, rope, self.n_head, self.n_kv)  # (B, H|Hkv, T, D)
-        return self.wo(self.attend(q, k, v, layer, backend))
+        out = self.wo(self.attend(q, k, v, layer, backend, self.attn_dropout_p if self.training else 0.0))
+        if self.training and self.resid_dropout_p:
+            out = F.dropout(out, self.resid_dropout_p, training=True)
+        return out
 
-    def attend(self, q, k, v, layer: int, backend: AttentionBackend | None) -> torch.Tensor:
-        """-> (B, T, H*D), heads concatenated."""
+    def attend(self, q, k, v, layer: int, backend: AttentionBackend | None, dropout_p: float = 0.0) -> torch.Tensor:
+        """-> (B, T, H*D), heads concatenated. ``dropout_p`` drops attention weights (plain causal attention only)."""
         if backend is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                                 enable_gqa=self.n_kv != self.n_head)
         else:
             out = backend.attend(layer, q, k, v)
         B, _, T, _ = out.shape
@@ -160,17 +178,21 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, drop_path_p: float = 0.0):
         super().__init__()
         self.attention = Attention(cfg)
         self.feed_forward = FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.drop_path_p = drop_path_p
 
     def forward(self, x, rope, layer, backend, fused=None):
         if fused is None:
-            h = x + self.attention(self.attention_norm(x), rope, layer, backend)
-            return h + self.feed_forward(self.ffn_norm(h))
+            p = self.drop_path_p if self.training else 0.0
+            a = self.attention(self.attention_norm(x), rope, layer, backend)
+            h = x + (drop_path(a, p) if p else a)
+            f = self.feed_forward(self.ffn_norm(h))
+            return h + (drop_path(f, p) if p else f)
         first, second = fused  # block_in / block_out, possibly compiled
         a, f = self.attention, self.feed_forward
         q, k, v = first(x, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv, self.attention_norm.eps)
@@ -189,7 +211,9 @@ class GPT(nn.Module):
         else:
             self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.cls_token_num)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        # stochastic depth rising linearly from 0 at the first layer to drop_path_rate at the last
+        rates = [cfg.drop_path_rate * i / max(1, cfg.n_layer - 1) for i in range(cfg.n_layer)]
+        self.layers = nn.ModuleList(TransformerBlock(cfg, rates[i]) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         table = rope_table(cfg.grid_h, cfg.grid_w, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
@@ -202,7 +226,8 @@ class GPT(nn.Module):
 
         ``gpt.fuse(torch.compile)`` compiles each half once for all layers (the weights are arguments),
         which turns a decode step's ~50 small kernels per layer into ~10. ``gpt.fuse(None)`` runs the
-        same composition uncompiled; ``gpt.unfuse()`` returns to the module path.
+        same composition uncompiled; ``gpt.unfuse()`` returns to the module path. The fused path is
+        for inference: it has no dropout, in ``train()`` mode too.
         """
         wrap = compiler or (lambda fn: fn)
         self.fused = (wrap(block_in), wrap(block_out))
@@ -291,6 +316,8 @@ class GPT(nn.Module):
         if not 1 <= T <= cfg.image_tokens:
             raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns, got {T}")
         h = torch.cat([self.embed_cond(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # (B, P+T-1, dim)
+        if self.training and cfg.token_dropout_p and self.fused is None:
+            h = F.dropout(h, cfg.token_dropout_p, training=True)
         if mask is not None:
             if backend is not None:
                 raise ValueError("give prompt_mask or backend, not both: a backend applies the caption mask itself")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,16 +53,47 @@ def _fmt_history(rows: list[dict], key: str, spec: str) -> str:
     return ", ".join(f"{r[key]:{spec}} (step {r['step']})" for r in rows)
 
 
+def _dropout_text(gc: dict) -> str:
+    """``", dropout 0.1 on ..."`` from a GPT config dict (old logs have no dropout fields: "")."""
+    where = {"token_dropout_p": "the input embeddings", "attn_dropout_p": "the attention weights",
+             "resid_dropout_p": "the attention output", "ffn_dropout_p": "the feed-forward output"}
+    parts = [f"{gc[k]:g} on {w}" for k, w in where.items() if gc.get(k)]
+    text = f", dropout {', '.join(parts)}" if parts else ""
+    if gc.get("drop_path_rate"):
+        text += f", stochastic depth up to {gc['drop_path_rate']:g}"
+    return text
+
+
+def _shipped_text(shipped: dict, gval: list[dict], last_step: int) -> str:
+    """Which step's weights the bundle holds and why, for the losses line of the card."""
+    best = min(gval, key=lambda r: r["val_bpt"]) if gval else None
+    text = f"; best {best['val_bpt']:.3f} at step {best['step']}" if best else ""
+    step = shipped["step"]
+    if shipped.get("selected") != "best":
+        return text + f"; shipped: step {step}" + (" (the last step)." if step == last_step else ".")
+    val = shipped["val"][0]["val_bpt"]
+    since = shipped.get("best_since", 0)
+    if since:
+        return text + (f"; shipped: step {step} (best held-out from step {since} on, {val:.3f}: the best weights "
+                       f"of the earlier steps were not carried over a resume).")
+    return text + f"; shipped: step {step} (best held-out at step {step}, chosen by best-checkpoint selection)."
+
+
 def model_card(name: str, gpt_path: Path, vq_path: Path, gpt_log: dict, vq_log: dict, data: dict,
-               commands: list[str], cfg_scale: float, grid_rel: str, extra_grids: list[str]) -> str:
-    """The markdown model card of a GPT + VQ bundle (see :func:`export_bundle` for the inputs)."""
+               commands: list[str], cfg_scale: float, grid_rel: str, extra_grids: list[str],
+               shipped: dict | None = None) -> str:
+    """The markdown model card of a GPT + VQ bundle (see :func:`export_bundle` for the inputs).
+
+    ``shipped``: the ``arsparse.train`` header entry of the shipped GPT (step, selected, val); default: the
+    last step.
+    """
     from ..eval.classifier import sha256_file
 
     g, v = gpt_log["config"], vq_log["config"]
     gc, vc = gpt_log["gpt_config"], vq_log["vq_config"]
     gval, vval = gpt_log["history"].get("val", []), vq_log["history"].get("val", [])
     gtrain, vtrain = gpt_log["history"].get("train", []), vq_log["history"].get("train", [])
-    best = min(gval, key=lambda r: r["val_bpt"]) if gval else None
+    shipped = shipped or {"step": gpt_log["step"], "selected": "last"}
     restarts = vq_log["history"].get("restarts", [])
     vfin = vq_log.get("final_val") or (vval[-1] if vval else {})
     down = 2 ** (len(vc["encoder_ch_mult"]) - 1)
@@ -98,14 +130,13 @@ def model_card(name: str, gpt_path: Path, vq_path: Path, gpt_log: dict, vq_log: 
         + (_fmt_history(vval, "psnr", ".2f") or "—") + ".",
         f"- **GPT training:** {gpt_log['step']} steps of {g['batch_size']} sequences, AdamW (lr {g['lr']:g}, betas "
         f"{g['betas'][0]}/{g['betas'][1]}, weight decay {g['weight_decay']}), {g['warmup']} warm-up steps then "
-        f"cosine to {g['lr'] * g['min_lr_ratio']:g}, gradient clip {g['grad_clip']}"
+        f"cosine to {g['lr'] * g['min_lr_ratio']:g}, gradient clip {g['grad_clip']}{_dropout_text(gc)}"
         f"{', bf16 autocast' if _bf16(g) else ''}. "
         f"{gpt_log['device']}, torch {gpt_log['torch']}, {gpt_log['train_time_s'] / 60:.1f} minutes of training"
         + (f" ({gtrain[-1]['images_per_s']:.0f} sequences/s)." if gtrain else "."),
         f"- **GPT losses (bits per token, {gc['vocab_size']}-way):** train "
         + (f"{gtrain[-1]['train_bpt']:.3f} at the end" if gtrain else "—") + "; held-out "
-        + (_fmt_history(gval, "val_bpt", ".3f") or "—")
-        + (f"; best {best['val_bpt']:.3f} at step {best['step']}, shipped: step {gpt_log['step']}." if best else "."),
+        + (_fmt_history(gval, "val_bpt", ".3f") or "—") + _shipped_text(shipped, gval, gpt_log["step"]),
         "- **Commands** (run from the repository root; `docs/models/emoji-train.sh` runs them in resumable chunks):",
         "", "  ```bash", *[f"  {c}" for c in commands], "  ```",
         f"- **Logs:** `docs/models/{name}-train_log.json`, `docs/models/{vq_path.stem}-train_log.json`.",
@@ -141,25 +172,37 @@ def _emoji_data_text() -> dict:
 
 
 def export_bundle(name: str, gpt_dir, vq_dir, out_dir, commands: list[str] = (), cfg_scales=(1.5, 3.0, 5.0),
-                  device=None, rows: int = 4, seed: int = 100, progress: bool = True) -> dict[str, Path]:
+                  device=None, rows: int = 4, seed: int = 100, progress: bool = True,
+                  ship: str = "best") -> dict[str, Path]:
     """Write a bundle's files, grids, logs and card into ``out_dir`` (see the module docstring).
 
     ``gpt_dir`` / ``vq_dir``: finished ``arsparse train model`` / ``tokenizer`` output folders. The VQ file
-    is the one the GPT's header names, checked by sha256. Returns the written paths by kind.
+    is the one the GPT's header names, checked by sha256. ``ship``: ``"best"`` ships ``best.safetensors``
+    (the best held-out evaluation; the last step, with a warning, when the run wrote none), ``"last"``
+    ``model.safetensors``; the card says which step it is and why. Returns the written paths by kind.
     """
     from ..bundles import BUNDLES
     from ..loading import TOKENIZER_META, load_gpt, read_metadata
     from ..tokenizers import make_tokenizer
+    from .trainer import BEST_NAME, MODEL_NAME, read_train_meta
 
     if name not in BUNDLES or not BUNDLES[name].vq_file:
         raise ValueError(f"{name!r} is not a shipped VQ bundle; choose one of "
                          f"{', '.join(n for n, b in BUNDLES.items() if b.vq_file)}")
     b = BUNDLES[name]
     gpt_dir, vq_dir, out = Path(gpt_dir), Path(vq_dir), Path(out_dir)
-    gpt_src = gpt_dir / "model.safetensors"
+    if ship not in ("best", "last"):
+        raise ValueError(f"ship must be 'best' or 'last', got {ship!r}")
+    gpt_src = gpt_dir / MODEL_NAME
     for p in (gpt_src, gpt_dir / "train_log.json", vq_dir / "train_log.json"):
         if not p.is_file():
             raise FileNotFoundError(f"{p} is missing: finish the training runs first")
+    if ship == "best":
+        if (gpt_dir / BEST_NAME).is_file():
+            gpt_src = gpt_dir / BEST_NAME
+        else:
+            warnings.warn(f"{gpt_dir / BEST_NAME} not found (a run without held-out data, or from before "
+                          f"best-checkpoint selection): shipping the last step, {gpt_src}", stacklevel=2)
     tok_cfg = json.loads(read_metadata(gpt_src)[TOKENIZER_META])
     make_tokenizer(tok_cfg, base_dir=vq_dir)  # the VQ exists and matches the GPT's hash
     if tok_cfg.get("file") != b.vq_file:
@@ -184,7 +227,7 @@ def export_bundle(name: str, gpt_dir, vq_dir, out_dir, commands: list[str] = (),
         "description": str(gpt_log["config"].get("dataset")), "licence": "see the data set", "classes": ""}
     extra = [f"../../docs/models/{p.name}" for s, p in grids.items() if s != b.cfg_scale]
     card = model_card(name, files["gpt"], files["vq"], gpt_log, vq_log, data, list(commands), b.cfg_scale,
-                      f"../../docs/models/{grids[b.cfg_scale].name}", extra)
+                      f"../../docs/models/{grids[b.cfg_scale].name}", extra, shipped=read_train_meta(gpt_src))
     files["card"] = out / f"{name}.md"
     files["card"].write_text(card)
     return {**files, **logs, **{f"grid_{s:g}": p for s, p in grids.items()}}

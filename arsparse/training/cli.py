@@ -33,6 +33,24 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}")
+    return v
+
+
+def _dropouts(args) -> dict[str, float | None]:
+    """TrainConfig dropout overrides: ``--dropout P`` sets LlamaGen's trio (token, resid, ffn); each flag wins over it."""
+    trio = dict.fromkeys(("token_dropout_p", "resid_dropout_p", "ffn_dropout_p"), args.dropout)
+    given = dict(token_dropout_p=args.token_dropout, resid_dropout_p=args.resid_dropout,
+                 ffn_dropout_p=args.ffn_dropout, attn_dropout_p=args.attn_dropout, drop_path_rate=args.drop_path)
+    return {**trio, **{k: v for k, v in given.items() if v is not None}}
+
+
 def _float_list(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -95,14 +113,16 @@ def cmd_train_model(args) -> int:
         lr=args.lr, warmup=args.warmup, seed=args.seed, hflip=True if args.hflip else None,
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
-        progress=not args.quiet, **grid,
+        progress=not args.quiet, **_dropouts(args), **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
                        stop_after=args.stop_after, started_at=_T0)
+    best = result.history.get("best")
     summary = {"finished": result.finished, "step": result.step, "steps": cfg.steps,
                "ckpt": str(result.ckpt_path), "model": str(result.model_path) if result.model_path else None,
-               "final_val_bpt": result.final_val_bpt}
+               "final_val_bpt": result.final_val_bpt, "best": str(result.best_path) if result.best_path else None,
+               "best_step": best["step"] if best else None, "best_val_bpt": best["val_bpt"] if best else None}
     print(json.dumps(summary))
     return 0
 
@@ -155,7 +175,7 @@ def cmd_train_classifier(args) -> int:
 def cmd_train_export(args) -> int:
     from .card import export_bundle
 
-    files = export_bundle(args.model, args.gpt_dir, args.vq_dir, args.out, commands=args.command,
+    files = export_bundle(args.model, args.gpt_dir, args.vq_dir, args.out, ship=args.ship, commands=args.command,
                           cfg_scales=args.cfg_scales, device=args.device, rows=args.rows, seed=args.seed,
                           progress=not args.quiet)
     for kind, path in files.items():
@@ -205,8 +225,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                     + ", ".join(f"{d.name} -> {d.recipe}" for d in DATASETS.values()) + "). The run writes "
                     "<out>/ckpt.pt as it goes and stops cleanly before --time-limit; rerun the same command with "
                     "--resume to continue. At the end it writes <out>/model.safetensors (loads with "
-                    "arsparse.load_gpt(path)) and <out>/train_log.json. VQ data sets (emoji) are tokenised once "
-                    "with --vq (cached beside the data).")
+                    "arsparse.load_gpt(path)) and <out>/train_log.json; with held-out data, <out>/best.safetensors "
+                    "holds the weights of the best held-out evaluation (what `train export` ships). VQ data sets "
+                    "(emoji) are tokenised once with --vq (cached beside the data).")
     m.add_argument("--dataset", choices=names, default="fashion", help=ds_help)
     m.add_argument("--out", help="output folder (default: out/<recipe>)")
     m.add_argument("--vq", help="VQ tokenizer (.safetensors) for VQ data sets (default: "
@@ -222,6 +243,15 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     _add_opt_args(g)
     g.add_argument("--hflip", action="store_true", help="flip half of each batch's token grids left to right "
                                                         "(palette tokenizers only)")
+    g = m.add_argument_group("regularisation: LlamaGen's dropouts, active in training only (defaults from the recipe)")
+    g.add_argument("--dropout", type=_probability, metavar="P",
+                   help="token, residual and FFN dropout at once (LlamaGen trains with 0.1); 0 turns them off")
+    g.add_argument("--token-dropout", type=_probability, metavar="P", help="dropout on the input embeddings")
+    g.add_argument("--resid-dropout", type=_probability, metavar="P", help="dropout on the attention output (after wo)")
+    g.add_argument("--ffn-dropout", type=_probability, metavar="P", help="dropout on the feed-forward output (after w2)")
+    g.add_argument("--attn-dropout", type=_probability, metavar="P", help="dropout on the attention weights")
+    g.add_argument("--drop-path", type=_probability, metavar="P",
+                   help="stochastic depth: drop rate of the last layer's branches (0 at the first, linear between)")
     m.set_defaults(func=cmd_train_model)
 
     t = sub.add_parser(
@@ -266,6 +296,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpt-dir", default="out/emoji-c2i", help="finished `train model` folder")
     e.add_argument("--vq-dir", default="out/emoji-vq", help="finished `train tokenizer` folder")
     e.add_argument("--out", required=True, help="output folder")
+    e.add_argument("--ship", choices=("best", "last"), default="best",
+                   help="which GPT weights to ship: best = <gpt-dir>/best.safetensors, the evaluation with the lowest "
+                        "held-out loss (default; the last step when the run has none), last = <gpt-dir>/model.safetensors")
     e.add_argument("--command", action="append", default=[], help="a training command for the card (repeatable)")
     e.add_argument("--cfg-scales", type=_float_list, default=[1.5, 3.0, 5.0],
                    help="guidance scales of the extra grids (the bundle's own is always made)")

@@ -20,6 +20,7 @@ validates, plus ``to_dict()``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -177,7 +178,9 @@ class TrainLoop:
         if not resume:
             raise FileExistsError(f"{p} exists: resume from it (resume=True / --resume) or choose another out_dir")
         ckpt = load(p)
-        diff = config_diff(ckpt["config"], cfg.to_dict())
+        # fields the checkpoint lacks (it was made before they existed) count as their defaults
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+        diff = config_diff({**defaults, **ckpt["config"]}, cfg.to_dict())
         if diff:
             lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"{p} was made with another config; resume with the same settings "

@@ -16,6 +16,13 @@ Files under ``out_dir``::
     train_log.json    config, model size, train/val loss history (bits per token), timings
     model.safetensors the final weights, with the architecture in the header: load it with
                       ``arsparse.load_gpt(path)`` and no other argument
+    best.safetensors  (with held-out data) the weights of the evaluation with the lowest held-out
+                      loss so far, written when it improves; same format, ``"selected": "best"``
+                      in its ``arsparse.train`` header entry
+
+Regularisation: LlamaGen's dropouts (``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
+``ffn_dropout_p``, ``drop_path_rate``; see :class:`~arsparse.models.config.GPTConfig`), drawn from
+the global torch RNG, whose state the checkpoint keeps, so resuming stays exact.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,12 +41,13 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import save_safetensors
-from ..loading import config_metadata
-from ..models.config import GPT_PRESETS, GPTConfig, gpt_config
+from ..loading import config_metadata, read_metadata
+from ..models.config import DROPOUT_FIELDS, GPT_PRESETS, GPTConfig, gpt_config
 from ..models.gpt import GPT
 from .loop import CKPT_NAME, LOG_NAME, TrainLoop, atomic_torch_save, lr_at, run_device, start_clock, write_json
 
 __all__ = [
+    "BEST_NAME",
     "CKPT_NAME",
     "LOG_NAME",
     "MODEL_NAME",
@@ -50,11 +59,13 @@ __all__ = [
     "lr_at",
     "make_batch",
     "portable_checkpoint",
+    "read_train_meta",
     "recipe_config",
     "train_gpt",
 ]
 
-MODEL_NAME = "model.safetensors"
+MODEL_NAME, BEST_NAME = "model.safetensors", "best.safetensors"
+TRAIN_META = "arsparse.train"
 CKPT_FORMAT = "arsparse-train/1"
 LN2 = math.log(2.0)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,7 +128,10 @@ class TrainConfig:
 
     ``class_dropout_prob``: probability that a training label is replaced by the null class
     (id ``num_classes``), which the model then learns as the unconditional input of
-    classifier-free guidance. ``hflip``: flip the token grid left to right for a random half of
+    classifier-free guidance. ``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
+    ``ffn_dropout_p``, ``drop_path_rate``: LlamaGen's dropouts (0: off; LlamaGen trains with 0.1 on
+    tokens, residual and FFN); they act in training only, and the exported files carry them as 0.
+    ``hflip``: flip the token grid left to right for a random half of
     each batch; only meaningful when one token is one pixel (palette tokenizers), where it
     equals flipping the image before tokenising.
 
@@ -150,6 +164,11 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     class_dropout_prob: float = 0.1
+    token_dropout_p: float = 0.0
+    attn_dropout_p: float = 0.0
+    resid_dropout_p: float = 0.0
+    ffn_dropout_p: float = 0.0
+    drop_path_rate: float = 0.0
     hflip: bool = False
     bf16: bool | None = None
     compile: bool = False
@@ -190,7 +209,7 @@ class TrainConfig:
         try:
             return gpt_config(self.preset, model_type="c2i", vocab_size=self.vocab_size, num_classes=self.num_classes,
                               class_dropout_prob=self.class_dropout_prob, grid_h=self.grid_h, grid_w=self.grid_w,
-                              **over)
+                              **{f: getattr(self, f) for f in DROPOUT_FIELDS}, **over)
         except ValueError as exc:
             raise ValueError(f"TrainConfig: bad architecture: {exc}") from None
 
@@ -257,16 +276,25 @@ RECIPES: dict[str, dict[str, Any]] = {
     # Flags (mirrored text, arrows and flags are wrong): 12,638 sequences, 12.9 M tokens; the
     # mirroring is done on the images before the VQ (a VQ token grid does not mirror).
     #
-    # Budget: 1200 steps of 128 = 154 k sequences (12 epochs): 3.0 minutes on one H200 at the
-    # measured 863 sequences/s. The model overfits early: a 3000-step run (30 epochs) reached
-    # 0.10 bits/token on the training rows while held-out rose from 2.25 (step 1000) to 5.10;
-    # with the schedule on 1200 steps held-out is best at step 800 (2.18) and 2.37 at the end.
+    # Measured without dropout (one H200, bf16, 863 sequences/s): the model overfits early. A
+    # 3000-step run (30 epochs) reached 0.10 bits/token on the training rows while held-out rose
+    # from 2.25 (step 1000) to 5.10; with the schedule on 1200 steps (12 epochs, 3.0 minutes)
+    # held-out was best at step 800 (2.18) and 2.37 at the end, which was shipped (step 1200).
+    #
+    # This recipe (not yet run): LlamaGen's dropouts at its defaults (0.1 on the input embeddings,
+    # the attention output and the feed-forward output; none on attention weights, no stochastic
+    # depth) and 2000 steps of 128 = 256 k sequences (20 epochs), held-out evaluated every 100
+    # steps and the best evaluation's weights kept (best.safetensors, which `train export` ships),
+    # so the overfitting end of the run costs nothing but time. Expected: held-out bottoms later
+    # and lower than 2.18; about 5.2 minutes on one H200 if dropout costs ~4 % of the 863
+    # sequences/s (an estimate), plus ~20 evaluations of the 794 held-out sequences.
     "emoji-c2i": dict(
         dataset="emoji", preset="GPT-small", dim=384, n_layer=10, n_head=6, multiple_of=64,
         vocab_size=1024, num_classes=18, grid_h=32, grid_w=32,
-        steps=1200, batch_size=128, lr=1e-3, min_lr_ratio=0.1, warmup=300, weight_decay=0.05,
+        steps=2000, batch_size=128, lr=1e-3, min_lr_ratio=0.1, warmup=300, weight_decay=0.05,
         betas=(0.9, 0.95), grad_clip=1.0, class_dropout_prob=0.1, hflip=False,
-        ckpt_every=1000, eval_every=200, log_every=100, eval_samples=None, export_dtype="fp16",
+        token_dropout_p=0.1, resid_dropout_p=0.1, ffn_dropout_p=0.1,
+        ckpt_every=1000, eval_every=100, log_every=100, eval_samples=None, export_dtype="fp16",
         tokenizer=None,
     ),
 }
@@ -304,6 +332,7 @@ class TrainResult:
     model_path: Path | None
     final_val_bpt: float | None
     history: dict[str, list] = field(default_factory=dict)
+    best_path: Path | None = None  #: ``best.safetensors`` (runs with held-out data)
 
 
 # ---- pieces -------------------------------------------------------------------------------------
@@ -469,7 +498,9 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     labels : torch.Tensor
         ``(N,)`` class ids in ``[0, num_classes)``.
     val_tokens, val_labels : torch.Tensor, optional
-        Held-out data, evaluated every ``eval_every`` steps and at the end (bits per token).
+        Held-out data, evaluated every ``eval_every`` steps and at the end (bits per token). Each
+        evaluation that beats the best so far writes its weights to ``best.safetensors``
+        (``history["best"]`` records its step and loss, and survives a resume).
     resume : bool
         Continue from ``out_dir/ckpt.pt`` when it exists (it must come from the same
         config and data). ``False`` refuses to overwrite an existing checkpoint.
@@ -510,6 +541,17 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     loop = TrainLoop(cfg, model, opt, t_start=t_start, stop_after=stop_after, fmt=CKPT_FORMAT, data_id=data_id,
                      arch=("gpt_config", asdict(gcfg)), history={"train": [], "val": []})
     loop.resume(resume, load_checkpoint, same="data set and tokenizer")
+    out = Path(cfg.out_dir)
+    best_path = out / BEST_NAME
+
+    def save_best(bpt: float) -> None:
+        since = loop.history.get("best_since", 0)
+        _write_weights(model.state_dict(), gcfg, cfg.to_dict(), loop.step, best_path, _DTYPES[cfg.export_dtype],
+                       val=[{"step": loop.step, "val_bpt": bpt}],
+                       extra={"selected": "best", **({"best_since": since} if since else {})})
+        loop.history["best"] = {"step": loop.step, "val_bpt": bpt}
+
+    _reconcile_best(loop, best_path, save_best)
 
     if loop.step == 0:
         size_mb = loop.num_params * _DTYPES[cfg.export_dtype].itemsize / 1e6
@@ -539,13 +581,21 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         t0 = time.monotonic()
         bpt = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16)
         loop.history["val"].append({"step": loop.step, "val_bpt": bpt, "time_s": round(loop.train_time, 2)})
-        loop.log(f"step {loop.step}: val {bpt:.4f} bits/token ({time.monotonic() - t0:.1f} s)")
+        best = loop.history.get("best")
+        if best is None or bpt < best["val_bpt"]:
+            save_best(bpt)
+            note = f"best so far -> {best_path.name}"
+        else:
+            note = f"best {best['val_bpt']:.4f} at step {best['step']}"
+        loop.log(f"step {loop.step}: val {bpt:.4f} bits/token ({note}; {time.monotonic() - t0:.1f} s)")
         return bpt
 
+    def best_or_none() -> Path | None:
+        return best_path if loop.history.get("best") else None
+
     has_val = val_tokens is not None
-    out = Path(cfg.out_dir)
     if not loop.run(train_step, window, run_eval if has_val else None, desc="train"):
-        return TrainResult(loop.step, False, out, loop.ckpt_path, None, None, loop.history)
+        return TrainResult(loop.step, False, out, loop.ckpt_path, None, None, loop.history, best_or_none())
 
     val = loop.history["val"]
     if val and val[-1]["step"] == loop.step:  # a finished run, resumed again
@@ -557,9 +607,64 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     record = loop.record(finished=True)
     record["final_val_bpt"] = final
     write_json(record, loop.log_path)
+    best = loop.history.get("best")
     loop.log(f"done: {loop.step} steps in {loop.train_time / 60:.1f} min of training; "
-             f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}")
-    return TrainResult(loop.step, True, out, loop.ckpt_path, model_path, final, loop.history)
+             f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}"
+             + (f"; best val {best['val_bpt']:.4f} at step {best['step']} -> {best_path}" if best else ""))
+    return TrainResult(loop.step, True, out, loop.ckpt_path, model_path, final, loop.history, best_or_none())
+
+
+def read_train_meta(path: str | os.PathLike) -> dict | None:
+    """The ``arsparse.train`` header entry of an exported GPT (step, steps, val, selected, ...), or ``None``."""
+    meta = read_metadata(path)
+    return json.loads(meta[TRAIN_META]) if TRAIN_META in meta else None
+
+
+def _reconcile_best(loop: TrainLoop, best_path: Path, save_best) -> None:
+    """Make ``best.safetensors`` agree with the resumed ``history["best"]`` before training goes on.
+
+    A file that is not the recorded best (left by another run in this folder, or written after the
+    checkpoint by a run that was then killed) is removed. A recorded best whose file is missing (a
+    checkpoint carried to another machine without it) is rewritten when the weights at hand are those
+    of its step; otherwise its weights are lost: selection starts again from this step, and
+    ``history["best_since"]`` says so (the model card repeats it).
+    """
+    best = loop.history.get("best")
+    on_disk = read_train_meta(best_path) if best_path.is_file() else None
+    if best is not None and on_disk is not None and on_disk.get("selected") == "best" \
+            and on_disk.get("step") == best["step"]:
+        return
+    if best_path.is_file():
+        best_path.unlink()
+    if best is None:
+        return
+    if best["step"] == loop.step:
+        save_best(best["val_bpt"])
+        return
+    warnings.warn(f"{best_path} (the best held-out, {best['val_bpt']:.4f} bits/token at step {best['step']}) is "
+                  f"missing or is not that step's: its weights are lost, and best-checkpoint selection starts "
+                  f"again at step {loop.step}; carry best.safetensors with ckpt.pt to keep it", stacklevel=3)
+    loop.history["best"] = None
+    loop.history["best_since"] = loop.step
+
+
+def _write_weights(state_dict: dict, gcfg: GPTConfig, cfg: dict, step: int, out: Path, dtype: torch.dtype, *,
+                   val: list[dict], extra: dict | None = None) -> Path:
+    """Weights as a self-describing ``.safetensors``: the inference architecture (dropouts 0) and the training
+    summary (``arsparse.train``: step, steps, dataset, seed, ``val`` rows, the training dropouts if any, and
+    ``extra``: ``{"selected": "best", "best_since": step}`` for a best checkpoint; nothing for the last,
+    whose header is then what it was before best-checkpoint selection existed)."""
+    sd = {k: (v.detach().to(dtype) if v.is_floating_point() else v) for k, v in state_dict.items()}
+    meta = config_metadata(gcfg.without_dropout())
+    train = {"step": step, "steps": cfg["steps"], "dataset": cfg.get("dataset"), "seed": cfg["seed"], "val": val}
+    dropout = {f: getattr(gcfg, f) for f in DROPOUT_FIELDS if getattr(gcfg, f)}
+    if dropout:
+        train["dropout"] = dropout
+    meta[TRAIN_META] = json.dumps({**train, **(extra or {})})
+    if cfg.get("tokenizer"):
+        meta["arsparse.tokenizer"] = json.dumps(cfg["tokenizer"])
+    save_safetensors(sd, out, meta)
+    return out
 
 
 def export_model(ckpt_path: str | os.PathLike, out_path: str | os.PathLike | None = None,
@@ -585,14 +690,6 @@ def export_model(ckpt_path: str | os.PathLike, out_path: str | os.PathLike | Non
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
-    gcfg = GPTConfig(**ckpt["gpt_config"])
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in ckpt["model"].items()}
-    meta = config_metadata(gcfg)
-    cfg = ckpt["config"]
-    meta["arsparse.train"] = json.dumps({"step": ckpt["step"], "steps": cfg["steps"], "dataset": cfg.get("dataset"),
-                                         "seed": cfg["seed"], "val": ckpt["history"].get("val", [])[-1:]})
-    if cfg.get("tokenizer"):
-        meta["arsparse.tokenizer"] = json.dumps(cfg["tokenizer"])
     out = Path(out_path) if out_path is not None else Path(ckpt_path).with_name(MODEL_NAME)
-    save_safetensors(sd, out, meta)
-    return out
+    return _write_weights(ckpt["model"], GPTConfig(**ckpt["gpt_config"]), ckpt["config"], ckpt["step"], out, dtype,
+                          val=ckpt["history"].get("val", [])[-1:])

@@ -2,12 +2,21 @@
 # Train the shipped emoji-c2i model (VQ tokenizer, then GPT, then the bundle with its model card)
 # on one GPU, in resumable chunks that each end before LIMIT seconds (default 540 = 9 minutes).
 #
-#   bash docs/models/emoji-train.sh [all|eval]      # from the repository root, on the GPU machine
+#   bash docs/models/emoji-train.sh [all|gpt|eval]  # from the repository root, on the GPU machine
 #
 # `all` does as much as fits in LIMIT and can simply be run again until it prints "emoji-train: DONE":
 #   1. VQ:     arsparse train tokenizer --dataset emoji        (4000 steps of 128, 7.7 min)
-#   2. GPT:    arsparse train model --dataset emoji            (1200 steps of 128, 3 min + tokenising)
-#   3. export: arsparse train export --model emoji-c2i         (sample grids at 3 guidance scales, card; < 1 min)
+#   2. GPT:    arsparse train model --dataset emoji            (2000 steps of 128 with dropout 0.1, est. 5.5 min
+#                                                               + tokenising; keeps the best held-out weights)
+#   3. export: arsparse train export --model emoji-c2i         (ships the best held-out step: sample grids at 3
+#                                                               guidance scales, card; < 1 min)
+# `gpt` is `all` on the shipped VQ: it first copies arsparse/weights/emoji-vq.safetensors and its log
+#   docs/models/emoji-vq-train_log.json into out/emoji-vq (when no VQ is there), so only the GPT is trained
+#   (and exported with that VQ, which its header names by sha256). A folder out/emoji-c2i or out/emoji-ship
+#   left by an earlier recipe must be removed first (a checkpoint of another config does not resume).
+#   With the VQ in place the GPT run fits one call; split over two machines, its best.safetensors is not in
+#   state.tar (too big to carry with the rest), so best-checkpoint selection restarts at the resumed step
+#   and the card says so.
 # `eval` (optional, after DONE): arsparse eval --model emoji-c2i with the new weights (est. 3-5 min).
 #
 # Needs no network: the data is read from .data/emoji/emoji-64.npz (ARSPARSE_DATA=.data), which the
@@ -36,6 +45,8 @@ LIMIT=${LIMIT:-540}
 OUT=${OUT:-out/emoji-pack}
 DEVICE=${DEVICE:-cuda}
 VQ=out/emoji-vq GPT=out/emoji-c2i SHIP=out/emoji-ship
+MODE=${1:-all}
+case "$MODE" in all|gpt|eval) ;; *) echo "emoji-train: unknown mode '$MODE' (all, gpt or eval)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 START=$SECONDS
 left() { echo $((LIMIT - (SECONDS - START))); }
@@ -56,8 +67,10 @@ for name, d in (("vq", "out/emoji-vq"), ("gpt", "out/emoji-c2i")):
     p = pathlib.Path(d) / "train_log.json"
     if p.is_file():
         r = json.loads(p.read_text())
+        best = r["history"].get("best")
         print(f"emoji-train: {name} {'finished' if r['finished'] else 'at'} step {r['step']}/{r['steps']}, "
-              f"{r['train_time_s'] / 60:.1f} min of training")
+              f"{r['train_time_s'] / 60:.1f} min of training"
+              + (f", best held-out {best['val_bpt']:.3f} bits/token at step {best['step']}" if best else ""))
     else:
         print(f"emoji-train: {name} not started")
 EOF
@@ -70,7 +83,7 @@ if [ ! -f "$ARSPARSE_DATA/emoji/emoji-64.npz" ]; then
     exit 2
 fi
 
-if [ "${1:-all}" = eval ]; then
+if [ "$MODE" = eval ]; then
     [ -f "$SHIP/emoji-c2i.md" ] || { echo "emoji-train: no exported bundle in $SHIP: run 'all' first" >&2; exit 2; }
     cp "$SHIP/emoji-c2i.safetensors" "$SHIP/emoji-vq.safetensors" arsparse/weights/  # this machine's copy only
     arsparse eval --model emoji-c2i --num-samples 500 --device "$DEVICE" --out out/emoji-eval --quiet
@@ -78,7 +91,13 @@ if [ "${1:-all}" = eval ]; then
     exit 0
 fi
 
-# 1. the VQ tokenizer
+# 1. the VQ tokenizer (`gpt`: the shipped one)
+if [ "$MODE" = gpt ] && [ ! -f "$VQ/emoji-vq.safetensors" ]; then
+    mkdir -p "$VQ"
+    cp arsparse/weights/emoji-vq.safetensors "$VQ/"
+    cp docs/models/emoji-vq-train_log.json "$VQ/train_log.json"
+    echo "emoji-train: using the shipped VQ (arsparse/weights/emoji-vq.safetensors)"
+fi
 if [ ! -f "$VQ/emoji-vq.safetensors" ]; then
     arsparse train tokenizer --dataset emoji --device "$DEVICE" --out "$VQ" --time-limit "$(left)" --resume --quiet \
         ${VQ_ARGS:-}
@@ -119,5 +138,5 @@ else
         fi
     done
     [ ${#files[@]} -gt 0 ] && pack state out/emoji-state "${files[@]}"
-    echo "emoji-train: NOT DONE: run 'bash docs/models/emoji-train.sh all' again"
+    echo "emoji-train: NOT DONE: run 'bash docs/models/emoji-train.sh $MODE' again"
 fi
