@@ -119,11 +119,12 @@ class _HeadTypedPolicy(ScoredPolicy):
         """Protected recent positions, the query included: ``recent``, or ``row_stride + 1``.
 
         The default covers the query's neighbourhood, so the tokens above and above-left of the one
-        the next query predicts stay: on image models these get far more attention than any other
-        offset but the last few, and neither rule that picks the victims can keep them. Stratified
-        eviction takes from the fullest rows, which are the newest; accumulated attention is
-        lowest for the newest entries, which few queries have seen yet. With a window shorter than
-        a row, both evict the previous row's newest entries, the token above included.
+        the next query predicts stay. Image models lean on them (on fashion-c2i the token above the
+        predicted one gets the most attention of any offset, 5.6% per query against 4.7% for the
+        previous token and about 1% for each offset between), and neither eviction rule would keep
+        them: stratified eviction takes from the fullest rows, which are the newest, and
+        accumulated attention is lowest for the newest entries, which few queries have seen yet.
+        With a window shorter than a row, both evict the previous row's newest entries.
         """
         return layout.row_stride + 1 if self.recent is None else self.recent
 
