@@ -91,8 +91,10 @@ def test_params_that_do_not_fit_the_layout():
     lay = Layout(1, 6, 6)  # dense 36 entries
     with pytest.raises(PolicyError, match=r"calib_rows=6 must leave rows .*at most 5"):
         get("headkv", rho=0.5, calib_rows=6, recent=2).check(lay)
-    with pytest.raises(PolicyError, match=r"keeps 3 image entries, fewer than the 8"):
+    with pytest.raises(PolicyError, match=r"keeps 3 image entries, fewer than the 7"):  # the query and a row
         get("headkv", rho=0.125).check(lay)
+    with pytest.raises(PolicyError, match=r"keeps 3 image entries, fewer than the 5"):
+        get("headkv", rho=0.125, recent=5).check(lay)
     with pytest.raises(PolicyError, match=r"spatial_window=3 rows \(18 entries\) exceed the uniform capacity 9 .* rho >= 0.528"):
         get("ssh", rho=0.3, spatial_window=3).check(lay)
     with pytest.raises(PolicyError, match=r"recent=8 must fit in the spatial window \(6 entries\)"):
@@ -325,6 +327,81 @@ def test_sparse_differs_and_sampling_runs_with_guidance(name):
     toks = gen.sample_tokens(cond, cfg_scale=3.0, seed=1)
     assert toks.shape == (2, 36) and toks.min() >= 0 and toks.max() < gpt.config.vocab_size
     assert gen.sample_tokens(cond, cfg_scale=3.0, seed=1).equal(toks)  # the cache resets per call
+
+
+class _Recorder:
+    """Attention backend that runs ``cache`` and keeps every call's inputs and output."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    def attend(self, layer, q, k, v):
+        out = self.cache.attend(layer, q, k, v)
+        self.calls.append((layer, q, k, v, out))
+        return out
+
+
+@pytest.mark.parametrize("n_kv", [None, 2])
+def test_headkv_keeps_what_a_direct_recomputation_keeps(n_kv):
+    """HeadKV with its defaults, against a plain recomputation from the model's own queries and keys.
+
+    Per (layer, sequence, kv head) the reference holds a dict position -> (key, value, score): each
+    step it adds the new token, attends each query head of the group over the prompt and the held
+    entries (checking the cache's output, which also checks that slots hold their positions' K/V),
+    adds the weights to the scores, then evicts down to the head's capacity, one greedy round at a
+    time, never the query's neighbourhood (the query and the ``row_stride`` positions before it,
+    so the token above the next prediction stays). The capacities are the cache's own (their
+    typing is checked in test_capacities_hold_at_every_step_and_keep_the_uniform_total). A row
+    wider than 8 makes the old default (8 protected positions) evict the previous row's newest
+    entries, the token above the next prediction among them.
+    """
+    gpt = random_gpt("c2i", grid_h=5, grid_w=10, n_kv_head=n_kv, seed=20)
+    lay, cfg = gpt.layout, gpt.config
+    pol = get("headkv", rho=0.6)
+    P, W, B, G, D = lay.prefix_len, lay.row_stride, 2, cfg.n_head // cfg.kv_heads, cfg.head_dim
+    cond, tokens = random_cond(gpt, B, seed=22), _tokens(gpt, B, seed=23)
+    cache = pol.make_cache(cfg, B, torch.float32, "cpu")
+    rec = _Recorder(cache)
+    heads = list(itertools.product(range(cfg.n_layer), range(B), range(cfg.kv_heads)))
+    with torch.no_grad():
+        cache.phase = "prefill"
+        gpt.forward_hidden(gpt.embed_cond(cond), torch.arange(P), rec)
+        prompt = {(li, b, g): (k[b, g].double(), v[b, g].double()) for li, _, k, v, _ in rec.calls
+                  for b in range(B) for g in range(cfg.kv_heads)}
+        held = {key: {} for key in heads}  # position -> [key, value, score]
+        cache.pos.fill_(P)
+        cache.phase = "decode"
+        evicted = 0
+        for i in range(lay.image_tokens - 1):
+            q = P + i
+            rec.calls.clear()
+            gpt.forward_hidden(gpt.tok_embeddings(tokens[:, i : i + 1]), cache.pos.view(1), rec)
+            cache.pos.add_(1)
+            for li, qq, k, v, out in rec.calls:
+                for b, g in itertools.product(range(B), range(cfg.kv_heads)):
+                    entries = held[li, b, g]
+                    entries[q] = [k[b, g, 0].double(), v[b, g, 0].double(), 0.0]
+                    order = sorted(entries)
+                    pk, pv = prompt[li, b, g]
+                    keys = torch.cat([pk, torch.stack([entries[p][0] for p in order])])
+                    values = torch.cat([pv, torch.stack([entries[p][1] for p in order])])
+                    for h in range(g * G, (g + 1) * G):
+                        w = (keys @ qq[b, h, 0].double() * D**-0.5).softmax(-1)
+                        torch.testing.assert_close(out[b, h, 0].double(), w @ values, atol=1e-4, rtol=1e-4)
+                        for p, x in zip(order, w[P:].tolist()):
+                            entries[p][2] += x
+                    cap = int(cache.head_cap[li, b, g])
+                    order = sorted(entries)
+                    victims = _greedy_stratified([entries[p][2] for p in order], order,
+                                                 [q - p > W for p in order], len(order) - cap, lay)
+                    for j in victims:
+                        del entries[order[j]]
+                    evicted += len(victims)
+                    assert len(entries) <= cap
+                    got = cache.spos[li, b, g]
+                    assert sorted(got[got >= 0].tolist()) == sorted(entries), (i, li, b, g)
+    assert evicted > 100
+    assert len(set(cache.head_cap.flatten().tolist())) > 1  # per-head capacities were exercised
 
 
 # -- diagonal-adaptive -----------------------------------------------------------------------------
