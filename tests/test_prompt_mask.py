@@ -344,10 +344,6 @@ def test_bad_masks_are_rejected_with_what_is_allowed():
         Generator(c2i, device="cpu").sample_tokens([1, 2], prompt_mask=ok)
     with pytest.raises(ValueError, match="more than the model's prompt of 7"):
         pad_captions(torch.randn(1, 9, 12), None, P)
-    from arsparse.engine.continuous import make_row_cache
-
-    with pytest.raises(ValueError, match="continuous batching does not take caption masks"):
-        make_row_cache(None, model.config, 2, torch.float32, "cpu").set_prompt_mask(ok)
 
 
 def test_check_and_pad_helpers():

@@ -173,10 +173,31 @@ def test_caption_features_for_a_t2i_model():
         r = client.post("/v1/generate", json=dict(caption_features=feats.tolist(), n=2, seed=4, return_tokens=True))
         assert r.status_code == 200, r.text
         from arsparse.engine.generator import Generator
+        from arsparse import policies
+        from arsparse.prompt_mask import pad_captions
 
         want = Generator(gpt, device="cpu").sample_tokens(feats[None].expand(2, P, C), cfg_scale=2.0, seed=4)
         assert torch.equal(torch.tensor(r.json()["tokens"]), want)
+        # a shorter caption: left-padded and masked as LlamaGen's sampler, the offline generator's tokens
+        short = feats[: P // 2]
+        r = client.post("/v1/generate", json=dict(caption_features=short.tolist(), n=2, seed=5, return_tokens=True))
+        assert r.status_code == 200, r.text
+        padded, mask = pad_captions(short[None], None, P)
+        want = Generator(gpt, device="cpu").sample_tokens(padded.expand(2, P, C), cfg_scale=2.0, seed=5,
+                                                          prompt_mask=mask.expand(2, P))
+        assert torch.equal(torch.tensor(r.json()["tokens"]), want)
+        unmasked = Generator(gpt, device="cpu").sample_tokens(padded.expand(2, P, C), cfg_scale=2.0, seed=5)
+        assert not torch.equal(want, unmasked)  # the mask mattered
+        # and through a scored policy, served in cohorts by the fixed-batch engine
+        r = client.post("/v1/generate", json=dict(caption_features=short.tolist(), n=2, seed=5, return_tokens=True,
+                                                  policy="h2o", policy_args={"rho": 0.9}))
+        assert r.status_code == 200, r.text
+        want = Generator(gpt, device="cpu", policy=policies.get("h2o", rho=0.9)).sample_tokens(
+            padded.expand(2, P, C), cfg_scale=2.0, seed=5, prompt_mask=mask.expand(2, P))
+        assert torch.equal(torch.tensor(r.json()["tokens"]), want)
         r = client.post("/v1/generate", json=dict(caption_features=feats[:, :3].tolist()))
+        assert r.status_code == 422 and "caption_features" in r.json()["detail"]
+        r = client.post("/v1/generate", json=dict(caption_features=[]))
         assert r.status_code == 422 and "caption_features" in r.json()["detail"]
         r = client.post("/v1/generate", json=dict(class_label=1))
         assert r.status_code == 422 and "caption_features" in r.json()["detail"]

@@ -29,7 +29,8 @@ def _requests(model, count, seed):
 
 def _offline(gen, r):
     return gen.sample_tokens(r["cond"], cfg_scale=r["cfg_scale"], temperature=r["temperature"], top_k=r["top_k"],
-                             top_p=r["top_p"], seed=r["seed"], cfg_interval=r["cfg_interval"])
+                             top_p=r["top_p"], seed=r["seed"], cfg_interval=r["cfg_interval"],
+                             prompt_mask=r.get("mask"))
 
 
 def _serve(dec, reqs, arrivals):
@@ -44,7 +45,8 @@ def _serve(dec, reqs, arrivals):
             slots = dec.free_slots()[: r["n"]]
             joined_mid_flight += bool(owner)
             dec.admit(slots, r["cond"], row_keys(r["seed"], r["n"]),
-                      sampling_rows(r["n"], r["cfg_scale"], r["temperature"], r["top_k"], r["top_p"], r["cfg_interval"]))
+                      sampling_rows(r["n"], r["cfg_scale"], r["temperature"], r["top_k"], r["top_p"], r["cfg_interval"]),
+                      prompt_mask=r.get("mask"))
             owner[i] = slots
         dec.step()
         done = set(dec.done())
@@ -73,6 +75,34 @@ def test_requests_joining_mid_flight_get_the_offline_tokens(model_type, policy):
     # Not vacuous: another seed gives other tokens.
     other = dict(reqs[0], seed=reqs[0]["seed"] + 1, temperature=1.0, top_k=0)
     assert not torch.equal(_offline(gen, other), _offline(gen, dict(other, seed=reqs[0]["seed"])))
+
+
+@pytest.mark.parametrize("policy", [None, "diagonal"])
+def test_padded_captions_joining_mid_flight_get_the_offline_tokens(policy):
+    """t2i caption masks in continuous batching: each slot's mask is set as its request joins (left,
+    right or no padding, mixed in one pool, slots reused), and every request gets exactly the tokens
+    of the offline generator with the same mask. (PyTorch path; the Triton kernels read the same
+    per-row spans, checked against it in tests/test_prompt_mask.py.)"""
+    model = random_gpt("t2i", image_tokens=64, seed=12)
+    P = model.config.cls_token_num
+    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    gen = Generator(model, device="cpu", policy=pol)
+    dec = SlotDecoder(gen, slots=5, guidance=True)
+    reqs = _requests(model, 6, seed=21)
+    g = torch.Generator().manual_seed(22)
+    for i, r in enumerate(reqs):
+        if i % 3 == 2:
+            continue  # unpadded: the slot's previous mask must not leak into it
+        keep = torch.randint(1, P, (r["n"],), generator=g)
+        pos = torch.arange(P)[None, :]
+        r["mask"] = pos >= P - keep[:, None] if i % 3 == 0 else pos < keep[:, None]  # left / right padding
+    results, joined = _serve(dec, reqs, [0, 0, 4, 30, 31, 60])
+    assert joined >= 2
+    for i, r in enumerate(reqs):
+        assert torch.equal(results[i], _offline(gen, r)), f"request {i}"
+    # Not vacuous: the mask changes the tokens.
+    r = reqs[0]
+    assert not torch.equal(_offline(gen, r), _offline(gen, dict(r, mask=None)))
 
 
 def test_graph_shapes_give_the_same_tokens_and_capture_failure_falls_back(caplog):
@@ -124,6 +154,9 @@ def test_decoder_rejects_misuse():
         dec.admit([0], torch.tensor([1]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
     with pytest.raises(ValueError, match="class labels must be in"):
         dec.admit([1], torch.tensor([99]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0))
+    with pytest.raises(ValueError, match="prompt_mask is for text-conditional"):
+        dec.admit([1], torch.tensor([1]), row_keys(0, 1), sampling_rows(1, cfg_scale=1.0),
+                  prompt_mask=torch.ones(1, model.config.cls_token_num, dtype=torch.bool))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.config import GPTConfig
+from ..prompt_mask import attention_mask, check_prompt_mask, prompt_span
 from ..policies.base import PolicyError
 from ..policies.caches import RingKVCache, _attend_gathered
 from ..policies.offset import OffsetPolicy
@@ -51,13 +52,35 @@ def _scatter_at(buf: torch.Tensor, slot: torch.Tensor, x: torch.Tensor) -> None:
     buf.scatter_(2, slot.view(B, 1, 1, 1).expand(B, Hkv, 1, D), x)
 
 
-def _no_caption_masks(mask) -> None:
-    if mask is not None:
-        raise ValueError("continuous batching does not take caption masks (prompt_mask) yet; "
-                         "use Generator.sample_tokens for padded t2i captions")
+class _RowMasks:
+    """Mixin of the row caches: caption masks set row by row, as requests join (t2i).
+
+    The mask buffers of :class:`~arsparse.engine.cache.CaptionMask` are made once for every row
+    (all True) by :meth:`enable_prompt_masks`, before any step is captured; :meth:`set_row_masks`
+    then overwrites the rows a request takes, so a captured step stays valid.
+    """
+
+    def enable_prompt_masks(self) -> None:
+        if self.prompt_keep is None:
+            self.set_prompt_mask(torch.ones(self.rows, self.P, dtype=torch.bool, device=self.pos.device))
+
+    def set_row_masks(self, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """``rows`` (k,) cache rows <- ``mask`` (k, P) bool, each one contiguous run of True."""
+        mask = mask.to(self.prompt_keep.device)
+        self.prompt_keep[rows] = mask
+        self.prompt_span[rows] = prompt_span(mask)
+        self.prefill_mask[rows] = attention_mask(mask, self.P)
+
+    def _prefill_rows(self, q, k, v):
+        """Attention among the prompt positions of the rows being prefilled (``prefill_rows``)."""
+        if self.prefill_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        T = k.shape[2]
+        mask = self.prefill_mask[self.prefill_rows, :, :T, :T]  # (k, 1, T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
 
 
-class RowDenseKVCache(DenseKVCache):
+class RowDenseKVCache(_RowMasks, DenseKVCache):
     """The dense cache with a position per row: ``pos`` is (rows,).
 
     ``prefill`` writes the prompt of the rows in ``prefill_rows`` only (the others keep decoding
@@ -71,15 +94,12 @@ class RowDenseKVCache(DenseKVCache):
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
 
-    def set_prompt_mask(self, mask) -> None:
-        _no_caption_masks(mask)
-
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":
             T = k.shape[2]
             self.k[layer, self.prefill_rows, :, :T] = k
             self.v[layer, self.prefill_rows, :, :T] = v
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            return self._prefill_rows(q, k, v)
         B = q.shape[0]
         pos = self.pos[:B]  # (B,)
         kc, vc = self.k[layer, :B], self.v[layer, :B]  # (B, Hkv, S, D)
@@ -88,10 +108,12 @@ class RowDenseKVCache(DenseKVCache):
         _scatter_at(kc, pos, k)
         _scatter_at(vc, pos, v)
         mask = (self._slots[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, S)
+        if self.prompt_keep is not None:  # padded caption positions are never read
+            mask = mask & F.pad(self.prompt_keep[:B], (0, self.max_len - self.P), value=True)[:, None, None, :]
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)
 
 
-class RowRingKVCache(RingKVCache):
+class RowRingKVCache(_RowMasks, RingKVCache):
     """The ring-buffer cache of offset policies with a position per row (see :class:`RowDenseKVCache`)."""
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
@@ -99,15 +121,12 @@ class RowRingKVCache(RingKVCache):
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
 
-    def set_prompt_mask(self, mask) -> None:
-        _no_caption_masks(mask)
-
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":
             T = k.shape[2]
             self.pk[layer, self.prefill_rows, :, :T] = k
             self.pv[layer, self.prefill_rows, :, :T] = v
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+            return self._prefill_rows(q, k, v)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
         if self.kernel == "triton":
@@ -130,7 +149,10 @@ class RowRingKVCache(RingKVCache):
         values = torch.cat([self._heads(self.pv[layer, :B]), self._heads(self.sv[layer, :B, :, : self.S]),
                             rv.gather(2, idx)], dim=2)
         sinks = (self._sink_idx[None, :] <= i[:, None])[:, None, :].expand(B, H, self.S)
-        valid = torch.cat([torch.ones(B, H, self.P, dtype=torch.bool, device=q.device), sinks, ok], dim=2)
+        prompt = torch.ones(B, H, self.P, dtype=torch.bool, device=q.device)
+        if self.prompt_keep is not None:  # padded caption positions are never read
+            prompt = prompt & self.prompt_keep[:B, None, :]
+        valid = torch.cat([prompt, sinks, ok], dim=2)
         return _attend_gathered(q, keys, values, valid)[0]
 
 
@@ -167,6 +189,8 @@ class SlotDecoder:
         self.max_pos = cfg.seq_len - 1
         dev = gen.device
         self.cache = make_row_cache(gen.policy, cfg, slots * self.G, gen.gpt.dtype, dev, kernel=gen.kernel)
+        if cfg.model_type == "t2i":  # caption masks, set per slot as requests join
+            self.cache.enable_prompt_masks()
         z = dict(device=dev)
         self.cur = torch.zeros(slots, dtype=torch.long, **z)  # last sampled token per slot
         self.out = torch.zeros(slots, self.N + 1, dtype=torch.long, **z)  # (S, N + 1); column N: scratch
@@ -236,12 +260,14 @@ class SlotDecoder:
                       self.top_p[idx] if use_top_p else None, kmax)
 
     @torch.no_grad()
-    def admit(self, slots: list[int], cond: torch.Tensor, keys: list[int], rows: dict[str, list]) -> None:
+    def admit(self, slots: list[int], cond: torch.Tensor, keys: list[int], rows: dict[str, list],
+              prompt_mask=None) -> None:
         """Prefill images into free ``slots`` and sample their first token.
 
         ``cond`` holds one condition per slot; ``keys`` the noise key of each image
         (:func:`~arsparse.engine.sampling.row_key`); ``rows`` the per-image sampling arguments as
-        :func:`~arsparse.engine.generator.sampling_rows` returns them.
+        :func:`~arsparse.engine.generator.sampling_rows` returns them; ``prompt_mask`` (t2i) the
+        caption mask of each slot, (k, P) bool as in :meth:`Generator.sample_tokens` (None: unpadded).
         """
         taken = [s for s in slots if self.sampled[s]]
         if taken:
@@ -254,6 +280,7 @@ class SlotDecoder:
         cond = self.gen.as_cond(cond)
         if cond.shape[0] != k or len(keys) != k:
             raise ValueError(f"{cond.shape[0]} conditions and {len(keys)} keys for {k} slots")
+        mask = check_prompt_mask(prompt_mask, k, self.P, self.gpt.config.model_type)
         self.keys[idx] = torch.tensor(keys, dtype=torch.long, device=dev)
         self.temperature[idx] = torch.tensor(rows["temperature"], dtype=torch.float32, device=dev)
         self.top_k[idx] = torch.tensor(rows["top_k"], dtype=torch.long, device=dev)
@@ -269,6 +296,9 @@ class SlotDecoder:
         if self.G == 2:
             cond = torch.stack([cond, gpt.null_cond(cond)], dim=1).flatten(0, 1)  # (2k, ...) interleaved
         cache.prefill_rows = (idx[:, None] * self.G + torch.arange(self.G, device=dev)).flatten()
+        if cache.prompt_keep is not None:  # every slot's mask is (re)set: a slot may have held a padded caption
+            mask = torch.ones(k, self.P, dtype=torch.bool) if mask is None else mask
+            cache.set_row_masks(cache.prefill_rows, mask.repeat_interleave(self.G, dim=0))  # guidance rows alike
         cache.phase = "prefill"
         try:
             hidden = gpt.forward_hidden(gpt.embed_cond(cond), self._prompt_pos, cache)  # (G * k, P, dim)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__, policies
 from ..engine.continuous import supports_continuous
 from ..engine.generator import row_keys, sampling_rows
+from ..prompt_mask import pad_captions
 from ..tokenizers import make_grid, to_pil
 from .config import ServeConfig
 from .metrics import CONTENT_TYPE, ServeMetrics
@@ -178,15 +179,20 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
         scale = cfg_scale if body.cfg_scale is None else body.cfg_scale
         if not guidance and scale != 1.0:
             raise ServeError(422, "cfg_scale: this model has no null class, so guidance is unavailable; use 1")
+        prompt_mask = None
         if c2i:
             cond = torch.full((n,), body.class_label, dtype=torch.long)
         else:
-            cond = torch.tensor(body.caption_features, dtype=torch.float32)[None].expand(n, -1, -1)
+            feats, keep = pad_captions(torch.tensor(body.caption_features, dtype=torch.float32)[None], None,
+                                       cfg.cls_token_num)  # (1, P, C), (1, P)
+            cond = feats.expand(n, -1, -1)
+            prompt_mask = None if bool(keep.all()) else keep.expand(n, -1)
         try:
             rows = sampling_rows(n, scale, body.temperature, body.top_k, body.top_p, body.cfg_interval)
         except ValueError as e:
             raise ServeError(422, str(e)) from None
-        job = Job(cond, row_keys(seed, n), rows, deadline=t0 + (body.timeout_s or config.timeout_s), submitted=t0)
+        job = Job(cond, row_keys(seed, n), rows, deadline=t0 + (body.timeout_s or config.timeout_s), submitted=t0,
+                  prompt_mask=prompt_mask)
         try:
             sched = await run_in_threadpool(pool.submit, body.policy, body.policy_args, job)
         except ValueError as e:  # PolicyError: unknown parameter, out of range, does not fit this model

@@ -51,7 +51,7 @@ class Job:
 
     ``cond``: (n,) class labels or (n, P, C) caption features; ``keys``: the noise key of each
     image; ``rows``: per-image sampling arguments (``sampling_rows``); ``deadline``: on the
-    ``time.monotonic`` clock.
+    ``time.monotonic`` clock; ``prompt_mask``: (n, P) bool caption mask (t2i, padded captions) or None.
     """
 
     cond: torch.Tensor
@@ -63,6 +63,7 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     started: float | None = None
     cancelled: bool = False
+    prompt_mask: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -80,6 +81,15 @@ class Job:
             return ServeError(504, f"request timed out after {now - self.submitted:.1f} s "
                                    "(set timeout_s to allow longer, or retry when the server is less busy)")
         return None
+
+
+def _masks(jobs: list[Job]) -> torch.Tensor | None:
+    """The caption masks of ``jobs`` stacked (k, P), unpadded ones all True; None when none is padded."""
+    if all(job.prompt_mask is None for job in jobs):
+        return None
+    P = next(job.prompt_mask for job in jobs if job.prompt_mask is not None).shape[1]
+    return torch.cat([torch.ones(job.n, P, dtype=torch.bool) if job.prompt_mask is None else job.prompt_mask
+                      for job in jobs])
 
 
 @dataclass
@@ -290,7 +300,8 @@ class ContinuousScheduler(Scheduler):
             job.started = start
         rows = {k: [v for job in jobs for v in job.rows[k]] for k in jobs[0].rows}
         try:
-            self.decoder.admit(slots, torch.cat([job.cond for job in jobs]), [k for job in jobs for k in job.keys], rows)
+            self.decoder.admit(slots, torch.cat([job.cond for job in jobs]), [k for job in jobs for k in job.keys], rows,
+                               prompt_mask=_masks(jobs))
         except Exception as e:  # fails these requests only: the running slots are untouched
             log.exception("prefill failed under policy %s", self.name)
             for job in jobs:
@@ -367,7 +378,8 @@ class CohortScheduler(Scheduler):
         rows = {k: [v for job in jobs for v in job.rows[k]] for k in jobs[0].rows}
         start = time.monotonic()
         try:
-            run, cond, B = self.gen.prepare(torch.cat([job.cond for job in jobs]), seed=0, **rows)
+            run, cond, B = self.gen.prepare(torch.cat([job.cond for job in jobs]), seed=0, prompt_mask=_masks(jobs),
+                                            **rows)
             run.keys[:B] = torch.tensor([k for job in jobs for k in job.keys], device=run.keys.device)
             run.start(cond)
         except Exception as e:

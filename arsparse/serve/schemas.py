@@ -30,8 +30,9 @@ def generate_request_model(cfg: GPTConfig, max_images: int, max_timeout_s: float
             f"class to draw, 0..{cfg.num_classes - 1}")))
     else:
         row = Annotated[list[float], Field(min_length=cfg.caption_dim, max_length=cfg.caption_dim)]
-        fields["caption_features"] = (list[row], Field(min_length=cfg.cls_token_num, max_length=cfg.cls_token_num,
-                                                        description=f"T5 caption features, {cfg.cls_token_num} x {cfg.caption_dim}"))
+        fields["caption_features"] = (list[row], Field(min_length=1, max_length=cfg.cls_token_num, description=(
+            f"T5 features of the caption's real tokens, 1..{cfg.cls_token_num} rows of {cfg.caption_dim}; fewer "
+            f"than {cfg.cls_token_num} are left-padded and masked as LlamaGen's sampler does")))
     guidance = cfg.model_type == "t2i" or cfg.has_null_class
     fields.update(
         n=(Int, Field(1, ge=1, le=max_images, description="images to draw (all of the same condition)")),
