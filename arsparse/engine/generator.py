@@ -214,7 +214,7 @@ class Generator:
         Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
     kernel : {"torch", "triton"}, optional
         Decode attention implementation (default: Triton on CUDA when installed; ``torch`` for an
-        offset policy with ``remainder=True``, which the Triton kernel does not compute).
+        offset policy with ``remainder=True``, whose Triton path is not yet verified on a GPU).
     compile : bool or str, optional
         ``torch.compile`` the two halves of a transformer block (once, shared by every layer:
         :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
@@ -250,14 +250,12 @@ class Generator:
         if self.policy is not None:
             self.policy = self.policy.prepare(self.gpt)
             self.policy.check(gpt.layout)
-        # An offset policy's remainder entry has only the PyTorch decode path: the default kernel there.
-        torch_only = getattr(self.policy, "remainder", False)
-        self.kernel = kernel or ("torch" if torch_only else default_kernel(self.device))
+        # An offset policy's remainder entry defaults to the PyTorch decode path: its Triton kernel
+        # (kernel="triton") is checked in the interpreter only so far, not yet on a GPU.
+        torch_default = getattr(self.policy, "remainder", False)
+        self.kernel = kernel or ("torch" if torch_default else default_kernel(self.device))
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
-        if torch_only and self.kernel != "torch":
-            raise ValueError(f"{self.policy.name}: remainder=True runs on the PyTorch decode path only, not "
-                             f"kernel={self.kernel!r}; use kernel='torch' (the default for this policy)")
         self._runner: _Runner | None = None
 
     @property

@@ -17,7 +17,6 @@ from ..engine.cache import KERNELS, CaptionMask
 from ..kernels.reference import slot_decode_attention_ref
 from ..layout import Layout
 from ..models.config import GPTConfig
-from .base import PolicyError
 from .remainder import fold_in, remainder_entry
 
 
@@ -84,14 +83,10 @@ class RingKVCache(_PromptCache):
     With the policy's ``remainder``, ``ksum``/``vsum`` (L, rows, Hkv, D) fp32 hold the sums of K
     and V over the image positions past the sinks written so far (zeroed at prefill, added to as
     each token is written, branch-free); a query's remainder entry is those sums less the image
-    keys it reads. Only the ``torch`` kernel computes it; ``triton`` is refused.
+    keys it reads (both kernels; the sums are updated in PyTorch before the Triton launch).
     """
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
-        if policy.remainder and kernel != "torch":
-            raise PolicyError(f"{policy.name}: remainder=True runs on the PyTorch decode path only, not "
-                              f"kernel={kernel!r}; use kernel='torch' (Generator picks it by default for "
-                              f"such a policy) or remainder=False")
         super().__init__(cfg, rows, dtype, device)
         self.kernel = kernel
         layout = _layout(cfg)
@@ -119,9 +114,14 @@ class RingKVCache(_PromptCache):
                 self.ksum[layer].zero_()
                 self.vsum[layer].zero_()
             return self._prefill(layer, q, k, v)
+        i = self.pos - self.P  # image index of the query
+        if self.remainder:  # the new token joins the running sums if it is past the sinks
+            past = (i >= self.S).to(torch.float32)
+            B = k.shape[0]
+            self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
+            self.vsum[layer, :B].add_(v[:, :, 0].float() * past)
         if self.kernel == "triton":
             return self._decode_triton(layer, q, k, v, self.pos)
-        i = self.pos - self.P  # image index of the query
         slot = (i % self.W).view(1)
         self.rk[layer].index_copy_(2, slot, k)
         self.rv[layer].index_copy_(2, slot, v)
@@ -145,10 +145,7 @@ class RingKVCache(_PromptCache):
         if self.prompt_keep is not None:  # (B, H, n_read): padded caption positions are not read
             valid = valid & F.pad(self.prompt_keep, (0, valid.shape[-1] - self.P), value=True)[:, None, :]
         rest = None
-        if self.remainder:  # the new token joins the sums if it is past the sinks
-            past = (i >= self.S).to(torch.float32)
-            self.ksum[layer].add_(k[:, :, 0].float() * past)
-            self.vsum[layer].add_(v[:, :, 0].float() * past)
+        if self.remainder:
             n_ring = ring_slot.shape[-1]
             rest = remainder_entry(self._heads(self.ksum[layer]), self._heads(self.vsum[layer]),
                                    (i + 1 - self.S).clamp_min(0), keys[:, :, -n_ring:], values[:, :, -n_ring:],
@@ -163,9 +160,10 @@ class RingKVCache(_PromptCache):
 
         B = q.shape[0]
         span = None if self.prompt_span is None else self.prompt_span[:B]
+        sums = (self.ksum[layer, :B], self.vsum[layer, :B]) if self.remainder else None
         return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
                                      self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
-                                     self.offsets[layer], pos, self.S, prompt_span=span).unsqueeze(2)
+                                     self.offsets[layer], pos, self.S, prompt_span=span, rest_sums=sums).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):
