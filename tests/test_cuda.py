@@ -166,6 +166,28 @@ def test_triton_engine_equals_torch_engine_on_gpu(policy):
         assert torch.equal(results[i], _offline(gens["torch"], r)), f"request {i}"
 
 
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 5e-2)])
+def test_remainder_triton_engine_equals_torch_engine_on_gpu(dtype, tol):
+    """diagonal:remainder=1 through the Triton ring kernel (rest_sums): logits == the PyTorch path and
+    == teacher forcing; CUDA-graph tokens == eager tokens; the Generator's default kernel is torch."""
+    import arsparse.policies as policies
+
+    pol = policies.get("diagonal", local=3, rows=2, band=1, sinks=2, remainder=True)
+    model = random_gpt("c2i", seed=14, image_tokens=64, n_kv_head=2)
+    cond = random_cond(model, 4)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 64))
+    assert Generator(model, device="cuda", dtype=dtype, policy=pol).kernel == "torch"
+    gens = {k: Generator(model, device="cuda", dtype=dtype, kernel=k, policy=pol, cuda_graphs=False)
+            for k in ("torch", "triton")}
+    logits = {k: gen.cached_logits(cond, tokens).float() for k, gen in gens.items()}
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=tol, rtol=tol)
+    with torch.no_grad():
+        forced = model.logits(cond.cuda(), tokens.cuda(), policy=pol).float()
+    torch.testing.assert_close(logits["triton"], forced, atol=tol, rtol=tol)
+    graphed = Generator(model, device="cuda", dtype=dtype, kernel="triton", policy=pol, cuda_graphs=True)
+    assert torch.equal(graphed.sample_tokens(cond, seed=4), gens["triton"].sample_tokens(cond, seed=4))
+
+
 # ---- t2i caption padding masks (LlamaGen's emb_masks): the kernels and the engine --------------
 
 def _spans(B: int, P: int, seed: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from arsparse.kernels.reference import decode_attention_ref  # noqa: E402
+from arsparse.kernels.reference import decode_attention_ref, ring_decode_attention_ref  # noqa: E402
 from arsparse.kernels.triton import decode_attention, ring_decode_attention  # noqa: E402
 from conftest import random_decode_case, random_offsets, random_ring_case, row_positions  # noqa: E402
 
@@ -98,6 +98,33 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, grouped, B, H,
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
+@pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
+def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv, P, S, W, D):
+    """rest_sums: random running sums, rows at positions with and without a remainder (the first image
+    position and the last sink have none); unread ring entries are NaN, the output starts NaN."""
+    g = torch.Generator().manual_seed(B * 7 + D)
+    offsets = random_offsets(g, H, 5, W)
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W])
+    inputs, _ = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, torch.float32, int(pos.sum()) + 1, DEVICE)
+    sums = tuple(torch.randn(B, Hkv, D, generator=g).mul_(5).to(DEVICE) for _ in range(2))
+    bufs = [t.cpu().clone() for t in inputs[3:9]]
+    want = ring_decode_attention_ref(*[t.cpu() for t in inputs[:3]], *bufs, offsets, pos, S,
+                                     rest_sums=[t.cpu() for t in sums])
+    plain = ring_decode_attention_ref(*[t.cpu() for t in inputs[:3]], *[t.cpu().clone() for t in inputs[3:9]],
+                                      offsets, pos, S)
+    got = ring_decode_attention(*inputs, S, rest_sums=sums)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    _same([t.cpu() for t in inputs[3:9]], bufs)
+    if S:  # rows 0 and 1 (the first image position, the last sink) read every image key so far
+        assert (want[:2] - plain[:2]).abs().max() < 1e-6
+    assert (want[2] - plain[2]).abs().max() > 1e-2  # row 2, far past the window, has a remainder
+    with pytest.raises(ValueError, match="default kernel only"):
+        ring_decode_attention(*inputs, S, rest_sums=sums, grouped=dict(rows=1))
+    with pytest.raises(ValueError, match="rest_sums' k_sum must be fp32"):
+        ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
+
+
 def test_ring_kernel_rejects_bad_input():
     B, H, D = 2, 4, 64
     q, new = torch.randn(B, H, D), torch.randn(B, H, D)
@@ -127,6 +154,8 @@ def _ring_buffers(cache, layer):
     (dict(name="diagonal", local=3, rows=2, band=1, sinks=2), 1, 1),
     (dict(name="streaming", sinks=3, recent=7), 2, 5),  # GQA, a 5-token prompt
     (dict(name="diagonal", local=1, rows=3, band=0, sinks=0), 1, 3),  # no sinks
+    (dict(name="diagonal", local=2, rows=1, band=1, sinks=2, remainder=True), 2, 1),  # the remainder entry
+    (dict(name="streaming", sinks=0, recent=4, remainder=True), 1, 3),
 ])
 def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
     """Every decode step of a random sequence: the Triton ring cache's output and buffers == the
@@ -151,7 +180,7 @@ def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
         q = torch.randn(2, 4, 1, D, generator=g).to(DEVICE)
         k, v = (torch.randn(2, Hkv, 1, D, generator=g).to(DEVICE) for _ in range(2))
         torch.testing.assert_close(fast.attend(0, q, k, v), ref.attend(0, q, k, v), **TOL)
-        _same(_ring_buffers(fast, 0), _ring_buffers(ref, 0))
+        _same(_ring_buffers(fast, 0) + [fast.ksum, fast.vsum], _ring_buffers(ref, 0) + [ref.ksum, ref.vsum])
         ref.pos.add_(1)
         fast.pos.add_(1)
 

@@ -159,7 +159,7 @@ def test_scored_policies_respect_budget_and_evict_the_lowest_score(name):
     ("h2o", dict(rho=0.0), r"rho .* must be in \(0, 1\]"),
     ("h2o", dict(recent=1.0), r"recent .* must be in \[0, 1\)"),
     ("streaming", dict(recent=0), "recent must be an integer >= 1"),
-    ("diagonal", dict(width=3), r"unknown parameter\(s\) \['width'\]; allowed: \['local', 'rows', 'band', 'sinks', 'rho'\]"),
+    ("diagonal", dict(width=3), r"unknown parameter\(s\) \['width'\]; allowed: \['local', 'rows', 'band', 'sinks', 'rho', 'remainder'\]"),
     ("nope", {}, "unknown policy 'nope'; choose one of dense"),
 ])
 def test_bad_parameters_say_what_is_allowed(name, kw, msg):

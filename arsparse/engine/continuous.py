@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def supports_continuous(policy) -> bool:
-    """Whether sequences under ``policy`` can join a running batch (dense and offset policies)."""
-    return policy is None or policy.kind == "dense" or isinstance(policy, OffsetPolicy)
+    """Whether sequences under ``policy`` can join a running batch (dense and offset policies, but not
+    an offset policy's ``remainder``: its running sums assume one shared position)."""
+    return policy is None or policy.kind == "dense" or (isinstance(policy, OffsetPolicy) and not policy.remainder)
 
 
 def make_row_cache(policy, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
@@ -117,6 +118,10 @@ class RowRingKVCache(_RowMasks, RingKVCache):
     """The ring-buffer cache of offset policies with a position per row (see :class:`RowDenseKVCache`)."""
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
+        if policy.remainder:
+            raise PolicyError(f"{policy.name}: remainder=True is not supported by continuous batching (rows "
+                              f"at different positions); run it in fixed batches (Generator) or use "
+                              f"remainder=False")
         super().__init__(cfg, policy, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None

@@ -213,7 +213,8 @@ class Generator:
     cuda_graphs : bool, optional
         Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
     kernel : {"torch", "triton"}, optional
-        Decode attention implementation (default: Triton on CUDA when installed).
+        Decode attention implementation (default: Triton on CUDA when installed; ``torch`` for an
+        offset policy with ``remainder=True``, whose Triton path is not yet verified on a GPU).
     compile : bool or str, optional
         ``torch.compile`` the two halves of a transformer block (once, shared by every layer:
         :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
@@ -243,15 +244,18 @@ class Generator:
             self.gpt.fuse(partial(torch.compile, dynamic=False, fullgraph=True, mode=mode))
         else:
             self.gpt.unfuse()
-        self.kernel = kernel or default_kernel(self.device)
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
         from ..policies import resolve
 
         self.policy = resolve(policy)
         if self.policy is not None:
             self.policy = self.policy.prepare(self.gpt)
             self.policy.check(gpt.layout)
+        # An offset policy's remainder entry defaults to the PyTorch decode path: its Triton kernel
+        # (kernel="triton") is checked in the interpreter only so far, not yet on a GPU.
+        torch_default = getattr(self.policy, "remainder", False)
+        self.kernel = kernel or ("torch" if torch_default else default_kernel(self.device))
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
         self._runner: _Runner | None = None
 
     @property

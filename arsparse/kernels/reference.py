@@ -1,6 +1,8 @@
 """Plain-PyTorch decode attention on the same metadata the Triton kernels take: the oracle."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -47,7 +49,7 @@ def decode_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
 
 def ring_decode_attention_ref(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                               n_sinks: int, scale: float | None = None,
-                              prompt_span: torch.Tensor | None = None) -> torch.Tensor:
+                              prompt_span: torch.Tensor | None = None, rest_sums=None) -> torch.Tensor:
     """The ring cache's decode step, row by row: write the new token of image index ``i = pos - P``
     (in place: ring slot ``i % W``, and sink ``i`` while ``i < n_sinks``), then attend over the
     prompt (its positions ``prompt_span[b]`` when given), the sinks ``0..min(i, n_sinks - 1)`` and
@@ -73,7 +75,18 @@ def ring_decode_attention_ref(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_
             sinks = min(i + 1, n_sinks)
             k = torch.cat([prompt_k[b, hk, lo:hi], sink_k[b, hk, :sinks], ring_k[b, hk, slots]])  # (n, D)
             v = torch.cat([prompt_v[b, hk, lo:hi], sink_v[b, hk, :sinks], ring_v[b, hk, slots]])
-            out[b, h] = _attend(q[b, h : h + 1], k[None], v[None], scale)[0]
+            if rest_sums is None:
+                out[b, h] = _attend(q[b, h : h + 1], k[None], v[None], scale)[0]
+                continue
+            # the remainder entry: the sums less the ring keys read, over the rest (none when empty)
+            count = max(i + 1 - n_sinks, 0) - len(slots)
+            s = k.float() @ q[b, h].float() * scale
+            if count > 0:
+                k_rest = (rest_sums[0][b, hk] - ring_k[b, hk, slots].float().sum(0)) / count
+                v_rest = (rest_sums[1][b, hk] - ring_v[b, hk, slots].float().sum(0)) / count
+                s = torch.cat([s, (k_rest @ q[b, h].float() * scale + math.log(count))[None]])
+                v = torch.cat([v.float(), v_rest[None]])
+            out[b, h] = (s.softmax(0) @ v.float()).to(q.dtype)
     return out
 
 

@@ -43,11 +43,13 @@ def get(name: str, **params) -> Policy:
 
 
 def resolve(policy) -> Policy | None:
-    """A policy object, a registered name, or None (dense engine) -> a policy object or None."""
+    """A policy object, a registered name, ``"name:key=value,..."`` (e.g. ``"diagonal:rows=2,remainder=1"``)
+    or None (dense engine) -> a policy object or None."""
     if policy is None or isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        return get(policy)
+        name, _, args = policy.partition(":")
+        return get(name, **parse_args([a for a in args.split(",") if a.strip()]))
     raise PolicyError(f"policy must be a name or a Policy object, got {type(policy).__name__}")
 
 

@@ -17,20 +17,31 @@ from ..engine.cache import KERNELS, CaptionMask
 from ..kernels.reference import slot_decode_attention_ref
 from ..layout import Layout
 from ..models.config import GPTConfig
+from .remainder import fold_in, remainder_entry
 
 
 def _layout(cfg: GPTConfig) -> Layout:
     return Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
 
 
-def _attend_gathered(q, keys, values, valid):
-    """q (B, H, 1, D); keys/values (B, H, n, D); valid (B or 1, H, n) -> out (B, H, 1, D), weights (B, H, n)."""
+def _attend_gathered(q, keys, values, valid, rest=None):
+    """q (B, H, 1, D); keys/values (B, H, n, D); valid (B or 1, H, n) -> out (B, H, 1, D), weights (B, H, n).
+
+    ``rest``: (k_rest, v_rest (B, H, D) fp32, count (B or 1, H)), the remainder entry
+    (:mod:`arsparse.policies.remainder`) attended with the read entries.
+    """
     scale = q.shape[-1] ** -0.5
     s = torch.einsum("bhqd,bhnd->bhqn", q.float(), keys.float())[:, :, 0] * scale  # (B, H, n)
     s = s.masked_fill(~valid, float("-inf"))
-    w = s.softmax(-1)
-    out = torch.einsum("bhn,bhnd->bhd", w, values.float())[:, :, None]
-    return out.to(q.dtype), w
+    if rest is None:
+        w = s.softmax(-1)
+        out = torch.einsum("bhn,bhnd->bhd", w, values.float())
+    else:
+        k_rest, v_rest, count = rest
+        w = fold_in(s, q[:, :, 0].float(), k_rest, count.expand_as(s[..., 0]))  # (B, H, n + 1)
+        out = torch.einsum("bhn,bhnd->bhd", w[..., :-1], values.float()) + w[..., -1:] * v_rest
+        w = w[..., :-1]
+    return out[:, :, None].to(q.dtype), w
 
 
 class _PromptCache(CaptionMask):
@@ -68,6 +79,11 @@ class RingKVCache(_PromptCache):
     also in its own buffer, so it outlives the ring. A query reads the prompt, the sinks written
     so far, and the ring slots of ``pos - offset`` for the offsets of its (layer, head); with a
     caption mask, the prompt less its padded positions.
+
+    With the policy's ``remainder``, ``ksum``/``vsum`` (L, rows, Hkv, D) fp32 hold the sums of K
+    and V over the image positions past the sinks written so far (zeroed at prefill, added to as
+    each token is written, branch-free); a query's remainder entry is those sums less the image
+    keys it reads (both kernels; the sums are updated in PyTorch before the Triton launch).
     """
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
@@ -83,16 +99,29 @@ class RingKVCache(_PromptCache):
         self.sk = torch.zeros(L, rows, Hkv, self.S + 1, D, dtype=dtype, device=device)  # last slot: scratch
         self.sv = torch.zeros_like(self.sk)
         self._sink_idx = torch.arange(self.S, device=device)
+        self.remainder = policy.remainder
+        sums = (L, rows, Hkv, D) if self.remainder else (0,)
+        self.ksum = torch.zeros(sums, dtype=torch.float32, device=device)
+        self.vsum = torch.zeros_like(self.ksum)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.pk, self.pv, self.rk, self.rv, self.sk, self.sv))
+        state = (self.pk, self.pv, self.rk, self.rv, self.sk, self.sv, self.ksum, self.vsum)
+        return sum(t.numel() * t.element_size() for t in state)
 
     def attend(self, layer: int, q, k, v):
         if self.phase == "prefill":
+            if self.remainder:
+                self.ksum[layer].zero_()
+                self.vsum[layer].zero_()
             return self._prefill(layer, q, k, v)
+        i = self.pos - self.P  # image index of the query
+        if self.remainder:  # the new token joins the running sums if it is past the sinks
+            past = (i >= self.S).to(torch.float32)
+            B = k.shape[0]
+            self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
+            self.vsum[layer, :B].add_(v[:, :, 0].float() * past)
         if self.kernel == "triton":
             return self._decode_triton(layer, q, k, v, self.pos)
-        i = self.pos - self.P  # image index of the query
         slot = (i % self.W).view(1)
         self.rk[layer].index_copy_(2, slot, k)
         self.rv[layer].index_copy_(2, slot, v)
@@ -115,7 +144,13 @@ class RingKVCache(_PromptCache):
                            (self._sink_idx <= i).expand(H, self.S), ok], dim=1)[None]  # (1, H, n_read)
         if self.prompt_keep is not None:  # (B, H, n_read): padded caption positions are not read
             valid = valid & F.pad(self.prompt_keep, (0, valid.shape[-1] - self.P), value=True)[:, None, :]
-        return _attend_gathered(q, keys, values, valid)[0]
+        rest = None
+        if self.remainder:
+            n_ring = ring_slot.shape[-1]
+            rest = remainder_entry(self._heads(self.ksum[layer]), self._heads(self.vsum[layer]),
+                                   (i + 1 - self.S).clamp_min(0), keys[:, :, -n_ring:], values[:, :, -n_ring:],
+                                   ok[None])
+        return _attend_gathered(q, keys, values, valid, rest)[0]
 
     def _decode_triton(self, layer: int, q, k, v, pos):
         """One kernel writes k, v (B, Hkv, 1, D) and attends over the read set computed in-kernel from
@@ -125,9 +160,10 @@ class RingKVCache(_PromptCache):
 
         B = q.shape[0]
         span = None if self.prompt_span is None else self.prompt_span[:B]
+        sums = (self.ksum[layer, :B], self.vsum[layer, :B]) if self.remainder else None
         return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
                                      self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
-                                     self.offsets[layer], pos, self.S, prompt_span=span).unsqueeze(2)
+                                     self.offsets[layer], pos, self.S, prompt_span=span, rest_sums=sums).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):

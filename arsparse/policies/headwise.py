@@ -307,7 +307,8 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
     sinks), so far offsets are not penalised for being reachable less often; offsets beyond the
     calibrated span rank last; ties go to the nearer offset; calibration samples at
     ``temperature`` (0: greedy) without guidance; without ``cond``, c2i uses random classes and
-    t2i the unconditional caption.
+    t2i the unconditional caption. ``remainder``: the mean-field remainder entry of
+    :mod:`arsparse.policies.offset` (its running sums count against ``rho``).
     """
 
     source = "arsparse: per-head diagonal attention calibrated on the model's attention (this project)"
@@ -318,6 +319,7 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
     local: int = 4
     sinks: int = 0
     temperature: float = 1.0
+    remainder: bool = False
     table: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -329,6 +331,7 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
         need_int(self.name, "sinks", self.sinks, 0)
         _need_float(self.name, "temperature", self.temperature, 0, None, False, False,
                     " (calibration sampling; 0 is greedy)")
+        self._check_remainder()
         if self.table is not None:
             self._check_table()
 
@@ -349,9 +352,10 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
     # -- budgets ---------------------------------------------------------------------------
     def window_budget(self, layout: Layout) -> int:
         """K: the largest offset + 1 a head may use."""
-        K = min(int(self.rho * dense_entries(layout)) - layout.prefix_len - self.sinks, layout.image_tokens - 1)
+        fixed = layout.prefix_len + self.sinks + self.extra_entries()
+        K = min(int(self.rho * dense_entries(layout)) - fixed, layout.image_tokens - 1)
         if K < self.local:
-            need = (layout.prefix_len + self.sinks + self.local) / dense_entries(layout)
+            need = (fixed + self.local) / dense_entries(layout)
             raise PolicyError(f"{self.name}: rho={self.rho} leaves a window of {K} positions after the prompt "
                               f"({layout.prefix_len}) and {self.sinks} sinks, fewer than local={self.local} "
                               f"(needs rho >= {need:.3f})")
@@ -377,17 +381,18 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
         reads ``read_budget`` offsets, a slight over-estimate near the image start)."""
         self.check(layout)
         P, S, N = layout.prefix_len, min(self.sinks, layout.image_tokens - 1), layout.image_tokens
+        extra = self.extra_entries()
         if self.table is None:
             K = self.window_budget(layout)
-            return Budget(read=P + S + self.read_budget(layout), kept=min(P + S + K, dense_entries(layout)),
-                          dense=dense_entries(layout))
+            return Budget(read=P + S + self.read_budget(layout) + extra,
+                          kept=min(P + S + K, dense_entries(layout)) + extra, dense=dense_entries(layout))
         # Query at image index i reads the prompt, min(S, i + 1) sinks and offset o when i - o >= S.
         heads = [offs for layer in self.table for offs in layer]
         sinks = sum(min(S, i + 1) for i in range(N - 1))
         offs = sum(max(0, N - 1 - o - S) for h in heads for o in h) / len(heads)
         window = self.window(layout, len(self.table), len(self.table[0]))
-        return Budget(read=P + (sinks + offs) / (N - 1), kept=min(P + S + window, dense_entries(layout)),
-                      dense=dense_entries(layout))
+        return Budget(read=P + (sinks + offs) / (N - 1) + extra,
+                      kept=min(P + S + window, dense_entries(layout)) + extra, dense=dense_entries(layout))
 
     # -- offsets -------------------------------------------------------------------------------
     @property

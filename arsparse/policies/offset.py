@@ -18,9 +18,33 @@ from ..layout import Layout
 from .base import Budget, Policy, PolicyError, dense_entries, need_int, need_rho
 
 
+#: Budget entries the remainder's two fp32 running sums (K and V, per kv head) weigh: a kept entry is
+#: one K and one V vector in the usual 16-bit cache dtype, so the fp32 pair counts as two.
+REMAINDER_ENTRIES = 2
+
+
+def need_flag(policy: str, name: str, value, what: str = "") -> bool:
+    """A boolean parameter: True/False, or 1/0 (what ``name=1`` parses to on the command line)."""
+    if value is True or value is False or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise PolicyError(f"{policy}: {name}{what} must be true/false (or 1/0), got {value!r}")
+
+
 @dataclass(frozen=True)
 class OffsetPolicy(Policy):
+    """Base of the offset policies. Subclasses declare ``remainder: bool = False`` (see the module doc)
+    and call :meth:`_check_remainder` from ``__post_init__``."""
+
     kind = "offset"
+    remainder = False  # a class default; subclasses make it a dataclass field
+
+    def _check_remainder(self) -> None:
+        object.__setattr__(self, "remainder", need_flag(self.name, "remainder", self.remainder,
+                                                        " (add the mean-field remainder entry)"))
+
+    def extra_entries(self) -> int:
+        """Budget entries beyond the read set: the remainder's running sums, if any."""
+        return REMAINDER_ENTRIES if self.remainder else 0
 
     # -- what subclasses define ------------------------------------------------
     def sink_count(self, layout: Layout) -> int:
@@ -41,7 +65,8 @@ class OffsetPolicy(Policy):
         return RingKVCache(cfg, self, rows, dtype, device, kernel=kernel)
 
     def teacher_forced_logits(self, gpt, cond, tokens, prompt_mask=None):
-        """Attention restricted to each query's read set: what the ring cache computes, in one pass.
+        """Attention restricted to each query's read set: what the ring cache computes, in one pass
+        (with ``remainder``, plus the remainder entry: :class:`~arsparse.policies.remainder.RemainderAttention`).
 
         ``prompt_mask`` (B, P) bool (t2i caption padding, checked): the prompt block is the whole
         prompt, less its padded positions.
@@ -53,7 +78,15 @@ class OffsetPolicy(Policy):
         T = cfg.cls_token_num + tokens.shape[1] - 1
         masks = self.mask(gpt.layout, T, cfg.n_layer, cfg.n_head).to(tokens.device)
         rows = None if prompt_mask is None else attention_mask(prompt_mask.to(tokens.device), T)
-        return gpt.logits(cond, tokens, backend=MaskedAttention(masks, rows, gqa=cfg.kv_heads != cfg.n_head))
+        gqa = cfg.kv_heads != cfg.n_head
+        if self.remainder:
+            from .remainder import RemainderAttention
+
+            first = gpt.layout.prefix_len + min(self.sink_count(gpt.layout), gpt.layout.image_tokens - 1)
+            backend = RemainderAttention(masks, first, rows, gqa=gqa)
+        else:
+            backend = MaskedAttention(masks, rows, gqa=gqa)
+        return gpt.logits(cond, tokens, backend=backend)
 
     # -- derived -----------------------------------------------------------------
     def offset_table(self, layout: Layout, n_layer: int, n_head: int) -> torch.Tensor:
@@ -108,8 +141,9 @@ class OffsetPolicy(Policy):
         ring = ((rows >= 0) & (q - rows >= P + S)).sum(-1)  # (T, rows): offsets past the sinks
         reads = (ring + torch.clamp(q[:, :, 0] + 1, max=P + S)).double()  # (T, rows)
         read = float((reads * count).sum() / (count.sum() * reads.shape[0]))
-        kept = P + S + self.window(layout, n_layer, n_head)
-        return Budget(read=read, kept=min(kept, dense_entries(layout)), dense=dense_entries(layout))
+        kept = min(P + S + self.window(layout, n_layer, n_head), dense_entries(layout))
+        extra = self.extra_entries()  # the remainder's running sums: held, and read by every query
+        return Budget(read=read + extra, kept=kept + extra, dense=dense_entries(layout))
 
 
 @dataclass(frozen=True)
@@ -117,18 +151,21 @@ class StreamingPolicy(OffsetPolicy):
     """StreamingLLM: attention sinks plus a window of the most recent tokens.
 
     ``sinks`` first image tokens stay (the prompt always stays too); ``recent`` tokens including
-    the query. ``rho`` (kept / dense), when given, sets ``recent`` instead.
+    the query. ``rho`` (kept / dense), when given, sets ``recent`` instead (the remainder's
+    running sums count against it). ``remainder``: see the module doc.
     """
 
     source = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024"
     sinks: int = 4
     recent: int = 64
     rho: float | None = None
+    remainder: bool = False
 
     def __post_init__(self):
         need_int(self.name, "sinks", self.sinks, 0)
         need_int(self.name, "recent", self.recent, 1)
         need_rho(self.name, self.rho, optional=True)
+        self._check_remainder()
 
     def sink_count(self, layout):
         return self.sinks
@@ -136,10 +173,11 @@ class StreamingPolicy(OffsetPolicy):
     def n_recent(self, layout: Layout) -> int:
         if self.rho is None:
             return self.recent
-        w = int(self.rho * dense_entries(layout)) - layout.prefix_len - self.sinks
+        w = int(self.rho * dense_entries(layout)) - layout.prefix_len - self.sinks - self.extra_entries()
         if w < 1:
             raise PolicyError(f"{self.name}: rho={self.rho} leaves no room for a recent window after the "
-                              f"prompt ({layout.prefix_len}) and {self.sinks} sinks")
+                              f"prompt ({layout.prefix_len}), {self.sinks} sinks"
+                              f"{' and the remainder sums' if self.remainder else ''}")
         return w
 
     def offsets(self, layout):
@@ -155,7 +193,7 @@ class DiagonalPolicy(OffsetPolicy):
     k in 1..``rows`` (the tokens above it in the previous ``rows`` rows). The bands are defined on
     the 1-D sequence, so at the left and right edges they wrap onto the neighbouring row, exactly
     as the definition says. ``rho`` (kept / dense), when given, picks ``rows`` (the largest that
-    fits, at least 1) and keeps ``local``, ``band`` and ``sinks``.
+    fits, at least 1) and keeps ``local``, ``band`` and ``sinks``. ``remainder``: see the module doc.
 
     Defaults (local 16, rows 3, band 4, sinks 4) come from the shipped fashion-c2i model: its
     decode attention peaks at offsets 1-3 and at W-2..W+1 (the tokens above and above-right) in
@@ -171,6 +209,7 @@ class DiagonalPolicy(OffsetPolicy):
     band: int = 4
     sinks: int = 4
     rho: float | None = None
+    remainder: bool = False
 
     def __post_init__(self):
         need_int(self.name, "local", self.local, 1)
@@ -178,17 +217,18 @@ class DiagonalPolicy(OffsetPolicy):
         need_int(self.name, "band", self.band, 0)
         need_int(self.name, "sinks", self.sinks, 0)
         need_rho(self.name, self.rho, optional=True)
+        self._check_remainder()
 
     def n_rows(self, layout: Layout) -> int:
         if self.rho is None:
             return self.rows
         W = layout.row_stride
-        room = int(self.rho * dense_entries(layout)) - layout.prefix_len - self.sinks - self.band - 1
-        rows = room // W
+        fixed = layout.prefix_len + self.sinks + self.band + 1 + self.extra_entries()
+        rows = (int(self.rho * dense_entries(layout)) - fixed) // W
         if rows < 1:
             raise PolicyError(f"{self.name}: rho={self.rho} is too small for even one row of the "
                               f"{layout.grid_h}x{layout.grid_w} image (needs rho >= "
-                              f"{(layout.prefix_len + self.sinks + self.band + 1 + W) / dense_entries(layout):.3f})")
+                              f"{(fixed + W) / dense_entries(layout):.3f})")
         return min(rows, layout.grid_h - 1)
 
     def check(self, layout):

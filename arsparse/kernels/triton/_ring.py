@@ -5,6 +5,9 @@ read set, taking every read of a slot the step writes from registers (so no prog
 that another writes), then write the token (ring slot ``i % W``; sink slot ``i`` while ``i < S``)
 from one program per (row, kv head), after that program's reads. Run in program order (the
 interpreter), a read of such a slot from memory would see the old entry, which the tests poison.
+
+The remainder entry's running sums (``HAS_REST``) are read-only here: the cache adds the new token
+to them before the launch (one small element-wise op), so no program can see them half-updated.
 """
 import triton
 import triton.language as tl
@@ -72,22 +75,39 @@ def _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, jo, sr_b, sr_h, sr_s, so
     kr = tl.where(new[:, None], kn[None, :], kr)
     vr = tl.where(new[:, None], vn[None, :], vr)
     s_r = tl.where(omask, tl.sum(kr * q[None, :], axis=1), float("-inf"))
-    return s_r, vr
+    return s_r, kr, vr, omask
+
+
+@triton.jit
+def _rest_entry(q, kr, vr, omask, KSUM, VSUM, b, hk, i, ssum_b, ssum_h, S, offs_d, dmask):
+    """The mean-field remainder entry (see :mod:`arsparse.policies.remainder`): the running sums over
+    the image keys past the sinks written so far (the new token included), less the ring entries read
+    (kr, vr are 0 where not read), averaged over the rest. -> logit (q is pre-scaled; -inf when nothing
+    is left), value (BD,)."""
+    count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
+    n = tl.maximum(count, 1).to(tl.float32)
+    off = b * ssum_b + hk * ssum_h + offs_d
+    k_rest = (tl.load(KSUM + off, mask=dmask, other=0.0) - tl.sum(kr, axis=0)) / n
+    v_rest = (tl.load(VSUM + off, mask=dmask, other=0.0) - tl.sum(vr, axis=0)) / n
+    s_e = tl.sum(q * k_rest, axis=0) + tl.log(n)
+    return tl.where(count > 0, s_e, float("-inf")), v_rest
 
 
 @triton.jit
 def ring_decode_kernel(
-    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT,
+    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
-    sout_b, sout_h,
+    sout_b, sout_h, ssum_b, ssum_h,
     P, S, W, n_off, scale, D,
     G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SPAN: tl.constexpr,
+    HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
 ):
     """One (row, query head): the prompt, the sinks written so far and the ring slots of pos - offsets,
     all in one tile each. The last query head of each kv head writes the new token.
 
     The read set is computed here from the head's offsets: no index tensor is built per step.
+    ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
+    reads (they already hold the new token).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -103,15 +123,22 @@ def ring_decode_kernel(
     kn, vn = kn_c.to(tl.float32), vn_c.to(tl.float32)
     s_p, vp, s_s, vs = _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
                                      P, S, offs_d, dmask, BLOCK_P, BLOCK_S, HAS_SPAN)
-    s_r, vr = _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, tl.arange(0, BLOCK_O), sr_b, sr_h, sr_s, so_h,
-                           P, S, W, n_off, offs_d, dmask)
+    s_r, kr, vr, omask = _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, tl.arange(0, BLOCK_O), sr_b, sr_h,
+                                      sr_s, so_h, P, S, W, n_off, offs_d, dmask)
 
     m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
+    if HAS_REST:
+        s_e, v_e = _rest_entry(q, kr, vr, omask, KSUM, VSUM, b, hk, i, ssum_b, ssum_h, S, offs_d, dmask)
+        m = tl.maximum(m, s_e)
     p_p = tl.exp(s_p - m)
     p_s = tl.exp(s_s - m)
     p_r = tl.exp(s_r - m)
     l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
     acc = tl.sum(p_p[:, None] * vp, axis=0) + tl.sum(p_s[:, None] * vs, axis=0) + tl.sum(p_r[:, None] * vr, axis=0)
+    if HAS_REST:
+        p_e = tl.exp(s_e - m)
+        l = l + p_e
+        acc = acc + p_e * v_e
     tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=dmask)
     _store_new_token(kn_c, vn_c, SK, SV, RK, RV, b, hk, i, h % G == G - 1, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, S, W,
                      offs_d, dmask)
@@ -119,9 +146,9 @@ def ring_decode_kernel(
 
 @triton.jit
 def ring_decode_grouped_kernel(
-    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT,
+    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
-    sout_b, sout_h,
+    sout_b, sout_h, ssum_b, ssum_h,
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr,
@@ -157,7 +184,7 @@ def ring_decode_grouped_kernel(
         l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0)
         acc = tl.sum(p_p[:, None] * vp, axis=0) + tl.sum(p_s[:, None] * vs, axis=0)
         for c in range(0, n_off, BLOCK_O):
-            s_r, vr = _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, c + tl.arange(0, BLOCK_O), sr_b, sr_h,
+            s_r, _kr, vr, _read = _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, c + tl.arange(0, BLOCK_O), sr_b, sr_h,
                                    sr_s, so_h, P, S, W, n_off, offs_d, dmask)
             m_new = tl.maximum(m, tl.max(s_r, axis=0))
             alpha = tl.exp(m - m_new)

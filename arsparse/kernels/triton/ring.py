@@ -15,7 +15,8 @@ GROUPED_KEYS = {"rows", "block_o", "num_warps", "num_stages"}
 
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, grouped: dict | None = None,
-                          prompt_span: torch.Tensor | None = None) -> torch.Tensor:
+                          prompt_span: torch.Tensor | None = None,
+                          rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -37,6 +38,10 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         runs the default kernel, one program per (row, query head))
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
+    rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
+        and V over the image positions past the sinks up to ``pos``, *the new token included* (the
+        caller adds it before the launch; the kernel only reads them). Each head then also attends to
+        the mean-field remainder entry of :mod:`arsparse.policies.remainder`. Not with ``grouped``.
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -65,20 +70,31 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     spos = position_stride(pos, B, q.device)
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)
+    if rest_sums is not None:
+        if grouped is not None:
+            raise ValueError("rest_sums (the remainder entry) runs on the default kernel only, not grouped=")
+        for name, t in zip(("k_sum", "v_sum"), rest_sums):
+            if tuple(t.shape) != (B, Hkv, D) or t.dtype != torch.float32 or t.stride(-1) != 1:
+                raise ValueError(f"rest_sums' {name} must be fp32 (B={B}, Hkv={Hkv}, D={D}) with a unit last "
+                                 f"stride, got {t.dtype} {tuple(t.shape)}")
+        if rest_sums[0].stride() != rest_sums[1].stride():
+            raise ValueError("rest_sums' k_sum and v_sum must have the same strides")
+    sums = (q, q) if rest_sums is None else rest_sums  # (unused pointers without the remainder)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     n_off = offsets.shape[1]
     args = (q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
-            pos if prompt_span is None else prompt_span, out,
+            pos if prompt_span is None else prompt_span, out, *sums,
             q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), sink_k.stride(0), sink_k.stride(1),
             sink_k.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), offsets.stride(0), spos,
-            out.stride(0), out.stride(1))
+            out.stride(0), out.stride(1), sums[0].stride(0), sums[0].stride(1))
     blocks = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
                   BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
     if grouped is None:
         ring_decode_kernel[(B, H)](*args, P, n_sinks, W, n_off, scale, D, G=H // Hkv,
-                                   BLOCK_O=triton.next_power_of_2(max(n_off, 1)), **blocks, **LAUNCH)
+                                   BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None,
+                                   **blocks, **LAUNCH)
     else:
         if set(grouped) - GROUPED_KEYS:
             raise ValueError(f"unknown grouped settings {sorted(set(grouped) - GROUPED_KEYS)}; "
