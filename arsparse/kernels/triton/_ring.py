@@ -27,6 +27,20 @@ def _store_new_token(kn, vn, SK, SV, RK, RV, b, hk, i, write, ss_b, ss_h, ss_s, 
 
 
 @triton.jit
+def _read_rows(q, kn, vn, K, V, off, read, new, dmask):
+    """Rows ``off`` of K and V where ``read``, the new token (kn, vn, from registers) where ``new``.
+
+    -> scores (BN,) (-inf where not read), keys and values (BN, BD) in fp32 (0 where not read).
+    """
+    lmask = (read & ~new)[:, None] & dmask[None, :]
+    k = tl.load(K + off, mask=lmask, other=0.0).to(tl.float32)
+    v = tl.load(V + off, mask=lmask, other=0.0).to(tl.float32)
+    k = tl.where(new[:, None], kn[None, :], k)
+    v = tl.where(new[:, None], vn[None, :], v)
+    return tl.where(read, tl.sum(k * q[None, :], axis=1), float("-inf")), k, v
+
+
+@triton.jit
 def _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, P, S, offs_d, dmask,
                   BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SPAN: tl.constexpr):
     """Scores and values of the prompt and of the sinks reached so far (sink j holds position P + j).
@@ -47,12 +61,7 @@ def _fixed_scores(q, kn, vn, PK, PV, SK, SV, SPAN, b, hk, i, sp_b, sp_h, sp_s, s
     smask = (js < S) & (js <= i)
     new = js == i  # sink i is the new token: from registers
     s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
-    lmask = (smask & ~new)[:, None] & dmask[None, :]
-    ks = tl.load(SK + s_off, mask=lmask, other=0.0).to(tl.float32)
-    vs = tl.load(SV + s_off, mask=lmask, other=0.0).to(tl.float32)
-    ks = tl.where(new[:, None], kn[None, :], ks)
-    vs = tl.where(new[:, None], vn[None, :], vs)
-    s_s = tl.where(smask, tl.sum(ks * q[None, :], axis=1), float("-inf"))
+    s_s, ks, vs = _read_rows(q, kn, vn, SK, SV, s_off, smask, new, dmask)
     return s_p, vp, s_s, vs
 
 
@@ -69,12 +78,7 @@ def _ring_scores(q, kn, vn, RK, RV, OFF, b, hk, h, pos, jo, sr_b, sr_h, sr_s, so
     slot = tl.where(omask, (kpos - P) % W, 0)
     new = omask & (slot == (pos - P) % W)
     r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
-    lmask = (omask & ~new)[:, None] & dmask[None, :]
-    kr = tl.load(RK + r_off, mask=lmask, other=0.0).to(tl.float32)
-    vr = tl.load(RV + r_off, mask=lmask, other=0.0).to(tl.float32)
-    kr = tl.where(new[:, None], kn[None, :], kr)
-    vr = tl.where(new[:, None], vn[None, :], vr)
-    s_r = tl.where(omask, tl.sum(kr * q[None, :], axis=1), float("-inf"))
+    s_r, kr, vr = _read_rows(q, kn, vn, RK, RV, r_off, omask, new, dmask)
     return s_r, kr, vr, omask
 
 
