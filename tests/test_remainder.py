@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import arsparse.policies as policies
-from arsparse.engine import generator as gen_mod
 from arsparse.engine.continuous import make_row_cache, supports_continuous
 from arsparse.engine.generator import Generator
 from arsparse.policies import PolicyError
@@ -149,14 +148,9 @@ def test_remainder_budget_and_memory_count_the_running_sums():
     assert sizes[1] - sizes[0] == 2 * cfg.n_layer * 3 * cfg.kv_heads * cfg.head_dim * 4  # fp32 K and V sums
 
 
-def test_continuous_batching_refuses_the_remainder_and_generator_defaults_to_torch(monkeypatch):
+def test_continuous_batching_refuses_the_remainder():
     model = random_gpt("c2i", image_tokens=16)
     pol = policies.get("streaming", recent=4, remainder=True)
     assert not supports_continuous(pol) and supports_continuous(policies.get("streaming"))
     with pytest.raises(PolicyError, match="continuous batching"):
         make_row_cache(pol, model.config, 2, torch.float32, "cpu")
-    # Where Triton is the default kernel (CUDA), a remainder policy gets the PyTorch path unless asked.
-    monkeypatch.setattr(gen_mod, "default_kernel", lambda device: "triton")
-    assert Generator(model, device="cpu", policy=pol).kernel == "torch"
-    assert Generator(model, device="cpu", policy=pol, kernel="triton").kernel == "triton"
-    assert Generator(model, device="cpu", policy="streaming").kernel == "triton"

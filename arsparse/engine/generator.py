@@ -250,10 +250,7 @@ class Generator:
         if self.policy is not None:
             self.policy = self.policy.prepare(self.gpt)
             self.policy.check(gpt.layout)
-        # An offset policy's remainder entry defaults to the PyTorch decode path: its Triton kernel
-        # (kernel="triton") is checked in the interpreter only so far, not yet on a GPU.
-        torch_default = getattr(self.policy, "remainder", False)
-        self.kernel = kernel or ("torch" if torch_default else default_kernel(self.device))
+        self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
         self._runner: _Runner | None = None

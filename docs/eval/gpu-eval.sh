@@ -18,20 +18,11 @@
 # Policies: dense,diagonal,streaming,h2o,tova,lines,headkv,adsa. fp32 throughout (DTYPE), so bf16
 # rounding does not blur a 2% criterion.
 #
-# Estimated time (fashion-c2i, 784 steps; emoji-c2i 1024 steps: x1.3). The CPU smoke run (40 samples,
-# 7 policies, 27 min on 2 CPU cores) says nothing about the GPU: this model is too small to be bound by
-# arithmetic there, so the estimate counts kernels. A scored policy's decode step is ~1,400 PyTorch
-# ops (h2o/tova/lines/adsa; headkv ~2,400, profiled on the CPU); replayed from a CUDA graph at a few
-# microseconds each that is ~2-3 ms per step (headkv ~9 ms, cf. BENCHMARKS run 3: headkv 4.6x h2o).
-#   startup (imports, Fashion-MNIST tokenised, Triton JIT)                        ~1 min
-#   check                                                                           ~0.5 min
-#   sweep: offset policies one masked pass each; 4 scored x 7 budgets x 783 steps
-#          x ~2.5 ms + headkv 7 x 783 x ~9 ms (one batch of 512 images)            ~2-3 min
-#   eval:  reference features (10k + 1k images, MobileNetV2 at 224 px)            ~0.3 min
-#          teacher forcing (5 scored policies, one batch)                           ~0.3 min
-#          generation 8 x 1000 images, 2 batches of 500 (1000 rows with guidance)  ~1.5-2 min
-#   total                                                                           ~6-7 min
-# The sweep gets at most SWEEP_S seconds (default 240) and the eval what is left; the log has
+# Measured on an H200 (2026-11-30, BENCHMARKS.md "Quality on the GPU"): fashion-c2i 265 s in all
+# (check 11 s, sweep 151 s, eval 96 s: 1,000 samples x 8 policies); emoji-c2i (1,024 steps) check 13 s,
+# sweep cut at 190 s with adsa still to run (about 240 s needed), eval 126 s. The default limits below
+# give both models their whole sweep in one call.
+# The sweep gets at most SWEEP_S seconds (default 300) and the eval what is left; the log has
 # each stage's wall time for tuning the next call.
 #
 # Needs no network. Carry (ignored folders, ARSPARSE_DATA=.data):
@@ -42,7 +33,7 @@
 # Output in $OUT, 7 files (each far below 16 MiB): sweep.json sweep.md sweep.png eval.json eval.md
 # grids.tar log.txt.
 # Knobs (environment): SAMPLES (1000), NLL_IMAGES (512), RHOS (0.06,0.09,0.12,0.18,0.25,0.35,0.5),
-# LIMIT (560), SWEEP_S (240), STAGES (check,sweep,eval: e.g. STAGES=sweep SWEEP_S=500 gives a call to the
+# LIMIT (560), SWEEP_S (300), STAGES (check,sweep,eval: e.g. STAGES=sweep SWEEP_S=500 gives a call to the
 # sweep alone), DTYPE (fp32), POLICIES, PYTHON (python3), OUT, EVAL_ARGS (more flags for
 # both runs; a CPU smoke test of this script: EVAL_ARGS="--device cpu --ref-images 200" SAMPLES=4 ...).
 set -uo pipefail
@@ -59,7 +50,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 ARSPARSE_DATA=${ARSPAR
 MOBILENET=${ARSPARSE_MOBILENET:-.evalassets/mobilenet_v2-b0353104.pth}
 unset ARSPARSE_MOBILENET
 PY=${PYTHON:-python3}
-LIMIT=${LIMIT:-560} SWEEP_S=${SWEEP_S:-240}
+LIMIT=${LIMIT:-560} SWEEP_S=${SWEEP_S:-300}
 SAMPLES=${SAMPLES:-1000} NLL_IMAGES=${NLL_IMAGES:-512} DTYPE=${DTYPE:-fp32}
 RHOS=${RHOS:-0.06,0.09,0.12,0.18,0.25,0.35,0.5}
 POLICIES=${POLICIES:-dense,diagonal,streaming,h2o,tova,lines,headkv,adsa}
