@@ -155,6 +155,7 @@ class _Delivery:
 class Scheduler:
     """Queue, admission and the worker thread; subclasses define how images are decoded."""
 
+    mode = ""
     sweep_s = 0.02  # how often the worker looks for requests that timed out or were cancelled
 
     def __init__(self, gen: Generator, slots: int, guidance: bool, row_bytes: int, max_queue: int, name: str):
