@@ -175,3 +175,80 @@ def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy):
     want, _ = _serve(eager, reqs, arrivals)
     for i in range(len(reqs)):
         assert torch.equal(got[i], want[i]), f"request {i}"
+
+
+def test_slot_bookkeeping_matches_a_brute_force_count():
+    """free_slots / busy / width / done / sampled are kept incrementally; against a plain count per slot
+    over random admissions (any free slots, not only the lowest), steps and releases (mid-flight too)."""
+    model = random_gpt("c2i", image_tokens=9, seed=13)
+    gen = Generator(model, device="cpu")
+    dec = SlotDecoder(gen, slots=7, guidance=False)
+    N, rng = 9, torch.Generator().manual_seed(14)
+    count = [0] * 7  # tokens each slot holds; 0 = free
+
+    def check():
+        assert dec.free_slots() == [s for s in range(7) if count[s] == 0]
+        assert dec.busy() == sum(c > 0 for c in count)
+        assert dec.width() == max((s + 1 for s in range(7) if count[s]), default=0)
+        assert dec.done() == [s for s in range(7) if count[s] == N]
+        assert [dec.sampled(s) for s in range(7)] == count
+
+    admitted = finished = done_before = 0
+    for _ in range(80):
+        action = int(torch.randint(0, 5, (1,), generator=rng))
+        free = dec.free_slots()
+        if action == 0 and free:
+            k = int(torch.randint(1, len(free) + 1, (1,), generator=rng))
+            slots = [free[int(i)] for i in torch.randperm(len(free), generator=rng)[:k]]
+            dec.admit(slots, torch.randint(0, 5, (k,), generator=rng), row_keys(admitted, k), sampling_rows(k, 1.0))
+            admitted += 1
+            for s in slots:
+                count[s] = 1
+        elif action == 1 and dec.busy():
+            busy = [s for s in range(7) if count[s]]
+            slots = [busy[int(i)] for i in torch.randperm(len(busy), generator=rng)[: len(busy) // 2 + 1]]
+            dec.release(slots)
+            for s in slots:
+                count[s] = 0
+        else:
+            live = sum(0 < c < N for c in count)
+            assert dec.step() == live
+            count = [c + 1 if 0 < c < N else c for c in count]
+            finished += sum(c == N for c in count) - done_before
+        check()
+        done_before = sum(c == N for c in count)
+    assert admitted >= 5 and finished >= 3  # the sequence did admit, finish and release
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_serving_phases_do_not_wait_for_the_gpu():
+    """Admission, steps, release and the scheduler's finish (VQ decode, copy to pinned host memory) queue
+    work on the device without a host-device sync (torch's sync debug mode raises at any)."""
+    from arsparse.serve.scheduler import _to_host
+    from arsparse.tokenizers import PaletteTokenizer
+
+    model = random_gpt("c2i", image_tokens=16, seed=15)
+    gen = Generator(model, PaletteTokenizer(48), device="cuda", dtype="bf16")
+    dec = SlotDecoder(gen, slots=4, guidance=True)
+    synced = []
+
+    def phase(name, fn):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        except RuntimeError as e:
+            synced.append(f"{name}: {e}")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    for _ in range(2):  # the second round: every lazy initialisation has happened
+        synced.clear()
+        phase("admit", lambda: dec.admit([0, 2], torch.tensor([1, 3]), row_keys(5, 2), sampling_rows(2, 2.0, top_k=5)))
+        for _ in range(15):
+            phase("step", dec.step)
+        assert dec.done() == [0, 2]
+        tokens = phase("tokens", lambda: dec.tokens([0, 2]))
+        phase("release", lambda: dec.release([0, 2]))
+        phase("finish", lambda: (_to_host(gen.decode_images(tokens, host=False)), torch.cuda.Event().record()))
+    assert not synced, synced

@@ -12,7 +12,8 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 import httpx  # noqa: E402
 
 from arsparse.engine.generator import row_keys, sampling_rows  # noqa: E402
-from arsparse.serve.loadgen import ServerThread, drive, percentile  # noqa: E402
+from arsparse.serve.loadgen import ServerThread, drive, drive_summary, percentile, serve_bench  # noqa: E402
+from arsparse.tokenizers import to_pil  # noqa: E402
 from arsparse.serve.scheduler import Job, ServeError  # noqa: E402
 from serve_util import DIAGONAL_4x4, b64_pixels, make_app, offline_pixels, offline_tokens, tiny_model  # noqa: E402
 
@@ -195,13 +196,78 @@ def test_policy_pool_closes_idle_policies_and_refuses_when_all_are_busy():
     pool.close()
 
 
-def test_serve_bench_reports_throughput_latency_and_batch():
-    from arsparse.serve.loadgen import serve_bench
-
+def test_serve_bench_reports_throughput_latency_batch_and_the_worker_breakdown():
     gpt, tok = tiny_model(seed=11)
     app = make_app(gpt, tok, max_batch=8)
-    out = serve_bench(app, "tiny", requests=24, concurrency=8, n=2, warmup=4, num_classes=7)
-    assert out["failures"] == 0 and out["requests"] == 24 and out["images_per_request"] == 2
+    out = serve_bench(app, "tiny", requests=24, concurrency=8, n=2, warmup=4, num_classes=7)  # clients: a process
+    assert out["failures"] == 0 and out["failure_details"] == [] and out["retries"] == 0 and out["client_process"]
+    assert out["requests"] == 24 and out["images_per_request"] == 2
     assert out["requests_per_s"] > 0 and out["images_per_s"] == pytest.approx(2 * out["requests_per_s"])
     assert 0 < out["latency_p50_s"] <= out["latency_p99_s"]
     assert out["mode"] == "continuous" and 4 <= out["max_running_images"] <= out["slots"] == 8
+    w = out["worker"]  # the timed part only: the warmup's requests are not counted
+    assert w["admitted_requests"] == w["finished_requests"] == 24 and 1 <= w["admissions"] <= 24
+    assert 1 <= w["finish_batches"] <= 24 and w["steps"] >= 15  # 16 tokens: 15 steps after the prefill at least
+    phases = sum(w[f"{p}_s"] for p in ("step", "admit", "finish", "idle", "other"))
+    assert phases == pytest.approx(w["worker_s"], abs=1e-6) and 0 < w["worker_s"] <= out["seconds"] + 1.0
+    assert w["step_s"] > 0 and w["admit_s"] > 0 and w["finish_s"] > 0
+
+
+def test_serve_bench_keeps_the_first_failures_with_their_reasons():
+    gpt, tok = tiny_model(seed=12)
+    app = make_app(gpt, tok, max_batch=2, max_images=1)
+    _slow_steps(app.state.pool.default, 0.01)
+    out = serve_bench(app, "tiny", requests=7, concurrency=3, warmup=0, num_classes=7, body=dict(timeout_s=0.05),
+                      client_process=False)
+    assert out["failures"] == 7 and out["failure_statuses"] == [504] and out["requests_per_s"] == 0
+    details = out["failure_details"]
+    assert len(details) == 5 and all(d["status"] == 504 and "timed out" in d["detail"] for d in details)
+    assert len({d["index"] for d in details}) == 5
+
+
+def test_clients_retry_429_after_retry_after_and_count_it():
+    gpt, tok = tiny_model(seed=13)
+    app = make_app(gpt, tok, max_batch=1, max_images=1, max_queue=1)
+    _slow_steps(app.state.pool.default, 0.01)  # ~0.2 s per request: one runs, one waits, the rest get 429
+    bodies = [dict(class_label=i, seed=100 + i, return_tokens=True) for i in range(4)]
+    with ServerThread(app) as srv:
+        refused = asyncio.run(drive(srv.url, bodies, concurrency=4, retry_busy=False))
+        assert sorted(r["status"] for r in refused).count(429) >= 1 and all(r["retries"] == 0 for r in refused)
+        records = asyncio.run(drive(srv.url, bodies, concurrency=4))
+        slim, _ = drive_summary(srv.url, [dict(class_label=99, seed=1)], concurrency=1)
+    assert [r["status"] for r in records] == [200] * 4
+    assert sum(r["retries"] for r in records) >= 1
+    for body, r in zip(bodies, records):
+        assert torch.equal(torch.tensor(r["json"]["tokens"]), offline_tokens(gpt, body))
+        if r["retries"]:
+            assert r["latency_s"] >= 1.0  # it waited Retry-After (whole seconds, >= 1) before sending again
+    assert slim[0]["status"] == 422 and "class_label" in slim[0]["detail"] and slim[0]["images"] == 0
+
+
+def test_requests_finishing_on_one_step_share_one_image_decode_and_each_gets_its_own():
+    gpt, tok = tiny_model(seed=14)
+    app = make_app(gpt, tok, max_batch=8, max_images=3)
+    sched = app.state.pool.default
+    gate = threading.Event()
+    admit = sched._admit
+    sched._admit = lambda: (gate.wait(), admit())[1]  # hold the worker until every job is queued
+    jobs = [Job(torch.tensor([label] * n), row_keys(seed, n), sampling_rows(n, cfg_scale=2.0),
+                deadline=time.monotonic() + 60) for label, n, seed in [(1, 1, 21), (4, 3, 22), (2, 2, 23), (6, 1, 24)]]
+    before = sched.clock.snapshot()
+    for job in jobs:
+        sched.submit(job)
+    gate.set()
+    results = [job.future.result(timeout=60) for job in jobs]
+    assert _wait_for(lambda: sched.idle())
+    after = sched.clock.snapshot()
+    app.state.pool.close()
+    for job, res, (label, n, seed) in zip(jobs, results, [(1, 1, 21), (4, 3, 22), (2, 2, 23), (6, 1, 24)]):
+        want = offline_tokens(gpt, dict(class_label=label, n=n, seed=seed))
+        assert torch.equal(res.tokens, want)
+        got = [np.asarray(im.convert("RGB")) for im in to_pil(res.images)]
+        assert all(np.array_equal(g, ref) for g, ref in zip(got, offline_pixels(tok, gpt, want))) and len(got) == n
+    count = {k: after[k] - before[k] for k in ("admissions", "admitted_requests", "finish_batches", "finished_requests")}
+    assert count == dict(admissions=1, admitted_requests=4, finish_batches=1, finished_requests=4)
+    assert after["steps"] - before["steps"] == 15  # 16 tokens: the first from the prefill
+    phases = sum(after[f"{p}_s"] for p in ("step", "admit", "finish", "idle", "other"))
+    assert phases == pytest.approx(after["worker_s"], abs=1e-6)

@@ -15,6 +15,7 @@ instead (:mod:`arsparse.serve.scheduler`).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,13 @@ def make_row_cache(policy, cfg: GPTConfig, rows: int, dtype: torch.dtype, device
                       "only dense and offset policies can join a running batch")
 
 
+def to_device(values, device, dtype=None) -> torch.Tensor:
+    """A list or CPU tensor on ``device`` without waiting for the device: a plain ``.to(device)`` from
+    host memory synchronises the stream (all queued steps), a non-blocking one from pageable memory
+    is staged at once and returns."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _scatter_at(buf: torch.Tensor, slot: torch.Tensor, x: torch.Tensor) -> None:
     """buf (B, Hkv, S, D)[b, :, slot[b]] = x (B, Hkv, 1, D), in place."""
     B, Hkv, _, D = buf.shape
@@ -67,7 +75,7 @@ class _RowMasks:
 
     def set_row_masks(self, rows: torch.Tensor, mask: torch.Tensor) -> None:
         """``rows`` (k,) cache rows <- ``mask`` (k, P) bool, each one contiguous run of True."""
-        mask = mask.to(self.prompt_keep.device)
+        mask = mask.to(self.prompt_keep.device, non_blocking=True)
         self.prompt_keep[rows] = mask
         self.prompt_span[rows] = prompt_span(mask)
         self.prefill_mask[rows] = attention_mask(mask, self.P)
@@ -212,37 +220,69 @@ class SlotDecoder:
         self._graphs: dict[tuple, object] = {}
         self._seen: dict[tuple, int] = {}
         self._graph_pool = None
-        # Host mirrors: no device sync is needed to schedule.
-        self.sampled = [0] * slots  # tokens sampled so far; 0 = free
-        self._k = [0] * slots
+        # Host bookkeeping, kept incrementally (no scan over the slots each step, no device sync):
+        # a busy slot's tokens so far are 1 + the steps run since it joined.
+        self._t = 0  # steps run so far
+        self._born: list[int | None] = [None] * slots  # the step count when each busy slot joined; None = free
+        self._free = set(range(slots))
+        self._due: dict[int, list[int]] = {}  # step count -> the slots that hold N tokens then
+        self._done: set[int] = set()  # busy slots holding all N tokens
+        self._live = 0  # busy slots still sampling
+        self._width = 0  # 1 + the highest busy slot
+        self._k = [0] * slots  # per slot: top_k, top-p on (they fix the sampling ops' shapes)
         self._p = [False] * slots
+        self._kcount: Counter = Counter()  # top_k values of the busy slots
+        self._pcount = 0  # busy slots filtering by top-p
 
     # ---- bookkeeping ------------------------------------------------------------------
     def free_slots(self) -> list[int]:
-        return [s for s in range(self.slots) if self.sampled[s] == 0]
+        return sorted(self._free)
+
+    def free_count(self) -> int:
+        return len(self._free)
 
     def busy(self) -> int:
-        return self.slots - len(self.free_slots())
+        return self.slots - len(self._free)
 
     def width(self) -> int:
-        return max((s + 1 for s in range(self.slots) if self.sampled[s]), default=0)
+        return self._width
 
     def done(self) -> list[int]:
-        return [s for s in range(self.slots) if self.sampled[s] == self.N]
+        return sorted(self._done)
+
+    def sampled(self, slot: int) -> int:
+        """Tokens ``slot`` holds (0: free)."""
+        born = self._born[slot]
+        return 0 if born is None else min(self.N, 1 + self._t - born)
 
     def tokens(self, slots: list[int]) -> torch.Tensor:
-        """(k, N) tokens of ``slots``."""
-        return self.out[torch.tensor(slots, device=self.out.device), : self.N]
+        """(k, N) tokens of ``slots`` (a copy, on the device)."""
+        return self.out[to_device(slots, self.out.device), : self.N]
 
     def release(self, slots: list[int]) -> None:
         if not slots:
             return
-        idx = torch.tensor(slots, device=self.out.device)
+        idx = to_device(slots, self.out.device)
         self.step_idx[idx] = self.N
         self.top_p[idx] = float("inf")
         self.top_k[idx] = 0
         for s in slots:
-            self.sampled[s], self._k[s], self._p[s] = 0, 0, False
+            born = self._born[s]
+            if born is not None:
+                if s in self._done:
+                    self._done.remove(s)
+                else:
+                    self._due[born + self.N - 1].remove(s)
+                    self._live -= 1
+                self._kcount[self._k[s]] -= 1
+                if not self._kcount[self._k[s]]:
+                    del self._kcount[self._k[s]]
+                self._pcount -= self._p[s]
+                self._born[s] = None
+                self._free.add(s)
+            self._k[s], self._p[s] = 0, False
+        while self._width and self._born[self._width - 1] is None:
+            self._width -= 1
 
     # ---- the two device phases ------------------------------------------------------------
     def _filters(self, slots) -> tuple[int, bool]:
@@ -274,25 +314,25 @@ class SlotDecoder:
         :func:`~arsparse.engine.generator.sampling_rows` returns them; ``prompt_mask`` (t2i) the
         caption mask of each slot, (k, P) bool as in :meth:`Generator.sample_tokens` (None: unpadded).
         """
-        taken = [s for s in slots if self.sampled[s]]
-        if taken:
-            raise ValueError(f"slots {taken} are busy")
+        taken = [s for s in slots if s not in self._free]
+        if taken or len(set(slots)) != len(slots):
+            raise ValueError(f"slots {taken or slots} are busy or repeated")
         k = len(slots)
         if self.G == 1 and any(c != 1.0 for c in rows["cfg_scale"]):
             raise ValueError("this decoder has no guidance rows: cfg_scale must be 1")
         dev = self.out.device
-        idx = torch.tensor(slots, device=dev)
+        idx = to_device(slots, dev)
         cond = self.gen.as_cond(cond)
         if cond.shape[0] != k or len(keys) != k:
             raise ValueError(f"{cond.shape[0]} conditions and {len(keys)} keys for {k} slots")
         mask = check_prompt_mask(prompt_mask, k, self.P, self.gpt.config.model_type)
-        self.keys[idx] = torch.tensor(keys, dtype=torch.long, device=dev)
-        self.temperature[idx] = torch.tensor(rows["temperature"], dtype=torch.float32, device=dev)
-        self.top_k[idx] = torch.tensor(rows["top_k"], dtype=torch.long, device=dev)
-        self.top_p[idx] = torch.tensor([p if p < 1.0 else float("inf") for p in rows["top_p"]], device=dev)
-        self.cfg_scale[idx] = torch.tensor(rows["cfg_scale"], dtype=torch.float32, device=dev)
-        self.cfg_on[idx] = torch.tensor([c != 1.0 for c in rows["cfg_scale"]], device=dev)
-        self.cfg_interval[idx] = torch.tensor(rows["cfg_interval"], dtype=torch.long, device=dev)
+        self.keys[idx] = to_device(keys, dev, torch.long)
+        self.temperature[idx] = to_device(rows["temperature"], dev, torch.float32)
+        self.top_k[idx] = to_device(rows["top_k"], dev, torch.long)
+        self.top_p[idx] = to_device([p if p < 1.0 else float("inf") for p in rows["top_p"]], dev, torch.float32)
+        self.cfg_scale[idx] = to_device(rows["cfg_scale"], dev, torch.float32)
+        self.cfg_on[idx] = to_device([c != 1.0 for c in rows["cfg_scale"]], dev, torch.bool)
+        self.cfg_interval[idx] = to_device(rows["cfg_interval"], dev, torch.long)
         self.step_idx[idx] = 0
         for s, tk, tp in zip(slots, rows["top_k"], rows["top_p"]):
             self._k[s], self._p[s] = tk, tp < 1.0
@@ -313,17 +353,25 @@ class SlotDecoder:
         self.cur[idx] = tok
         self.out[idx, 0] = tok
         self.step_idx[idx] = 1
-        for s in slots:
-            self.sampled[s] = 1
+        for s in slots:  # busy from now on
+            self._free.remove(s)
+            self._born[s] = self._t
+            self._kcount[self._k[s]] += 1
+            self._pcount += self._p[s]
+            if self.N == 1:
+                self._done.add(s)
+            else:
+                self._due.setdefault(self._t + self.N - 1, []).append(s)
+                self._live += 1
+        self._width = max(self._width, max(slots) + 1)
 
     @torch.no_grad()
     def step(self) -> int:
         """One decode step for every busy slot; -> the number of tokens sampled."""
-        w = self.width()
-        live = [s for s in range(w) if 0 < self.sampled[s] < self.N]
-        if not live:
+        if not self._live:
             return 0
-        kmax, use_top_p = self._filters(range(w))
+        w = self._width
+        kmax, use_top_p = min(max(self._kcount, default=0), self.V), self._pcount > 0
         if self.cuda_graphs:
             # Shapes from buckets, so that few graphs serve every mix: any bound >= the largest top_k
             # samples the same tokens, and slots past the busy ones are idle.
@@ -335,9 +383,11 @@ class SlotDecoder:
                 self._step_device(*plan)
         else:
             self._step_device(w, kmax, use_top_p)
-        for s in live:
-            self.sampled[s] += 1
-        return len(live)
+        live, self._t = self._live, self._t + 1
+        finished = self._due.pop(self._t, [])
+        self._done.update(finished)
+        self._live -= len(finished)
+        return live
 
     def _step_device(self, w: int, kmax: int, use_top_p: bool) -> None:
         """The device side of a step over slots 0..w-1: no host syncs, static shapes (capturable)."""

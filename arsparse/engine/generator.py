@@ -266,7 +266,7 @@ class Generator:
         else:
             cond = torch.as_tensor(cond, dtype=torch.float32)
         self.gpt.check_cond(cond)
-        return cond.to(self.device)
+        return cond.to(self.device, non_blocking=True)  # from pageable memory: staged at once, no stream sync
 
     def release(self) -> None:
         """Free the captured step and its cache now (a compiled runner sits in a reference cycle,
@@ -324,7 +324,7 @@ class Generator:
         pad = b - B
 
         def fill(buf, vals, dtype):
-            buf.copy_(torch.tensor(vals + vals[-1:] * pad, dtype=dtype))
+            buf.copy_(torch.tensor(vals + vals[-1:] * pad, dtype=dtype), non_blocking=True)  # no stream sync
 
         fill(run.keys, keys, torch.long)
         fill(run.temperature, temp, torch.float32)
@@ -335,7 +335,7 @@ class Generator:
         if pad:
             cond = torch.cat([cond, cond[-1:].expand(pad, *cond.shape[1:])])
         if mask is not None:
-            mask = mask.to(self.device)
+            mask = mask.to(self.device, non_blocking=True)
             run.set_prompt_mask(torch.cat([mask, mask[-1:].expand(pad, -1)]) if pad else mask)
         return run, cond, B
 
@@ -360,13 +360,16 @@ class Generator:
         return torch.stack(out, dim=1)
 
     @torch.no_grad()
-    def decode_images(self, tokens: torch.Tensor, chunk: int = 16) -> torch.Tensor:
-        """(B, N) tokens -> (B, 3, H, W) images in [-1, 1] through the tokenizer, ``chunk`` at a time."""
+    def decode_images(self, tokens: torch.Tensor, chunk: int = 16, host: bool = True) -> torch.Tensor:
+        """(B, N) tokens -> (B, 3, H, W) fp32 images in [-1, 1] through the tokenizer, ``chunk`` at a time;
+        on the CPU, or on the device when ``host`` is False (then nothing waits for the device)."""
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer: pass tokenizer=... to turn tokens into images")
         grid = (self.config.grid_h, self.config.grid_w)
-        parts = [self.tokenizer.decode(tokens[i : i + chunk].to(self.device), grid=grid).float().cpu()
-                 for i in range(0, tokens.shape[0], chunk)]
+        parts = []
+        for i in range(0, tokens.shape[0], chunk):
+            images = self.tokenizer.decode(tokens[i : i + chunk].to(self.device, non_blocking=True), grid=grid).float()
+            parts.append(images.cpu() if host else images)
         return torch.cat(parts)
 
     def generate(self, cond, progress: bool = False, **sampling) -> list:

@@ -38,6 +38,13 @@ def _png(img) -> bytes:
     return buf.getvalue()
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the body was read already: the server's next message is the
+    disconnect, sent when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _validation_detail(errors, example: str, allowed: list[str]) -> tuple[str, list[dict]]:
     """pydantic errors -> one message saying what was wrong and what is allowed, and one item per error."""
     items = []
@@ -198,15 +205,18 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
         except ValueError as e:  # PolicyError: unknown parameter, out of range, does not fit this model
             raise ServeError(422, f"policy: {e}") from None
 
+        # Wait for the answer or the client's leaving, whichever comes first: no polling (hundreds of
+        # waiting requests polling would keep the event loop, and so the GIL, busy).
         fut = asyncio.wrap_future(job.future)
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=config.poll_s)
-            if done:
-                break
-            if await request.is_disconnected():
-                sched.cancel(job)  # the worker frees its slots at the next step boundary
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-                return Response(status_code=499)
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not fut.done():
+            sched.cancel(job)  # the worker frees its slots at the next step boundary
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return Response(status_code=499)
         result = fut.result()  # raises the ServeError the worker set
 
         accept = request.headers.get("accept", "")

@@ -17,7 +17,7 @@ def _need_serve_extra() -> None:
         raise ValueError(f"serving needs the serve extra ({e.name} is missing): pip install 'arsparse[serve]'") from None
 
 
-def _app_from_args(args):
+def _app_from_args(args, max_queue: int = 64):
     from ..bundles import BUNDLES
     from ..policies import get, parse_args
     from .app import create_app
@@ -26,7 +26,7 @@ def _app_from_args(args):
     _need_serve_extra()
     policy_args = parse_args(args.policy_arg)
     get(args.policy, **policy_args)  # a bad policy fails before the model loads
-    config = ServeConfig(max_batch=args.max_batch, kv_memory_gb=args.kv_memory_gb, max_queue=args.max_queue,
+    config = ServeConfig(max_batch=args.max_batch, kv_memory_gb=args.kv_memory_gb, max_queue=args.max_queue or max_queue,
                          max_images=min(args.max_images, args.max_batch), timeout_s=args.timeout,
                          max_timeout_s=max(args.timeout, 600.0), max_policies=args.max_policies,
                          cuda_graphs=not args.no_cuda_graphs)
@@ -52,13 +52,22 @@ def cmd_serve(args) -> int:
 def cmd_serve_bench(args) -> int:
     from .loadgen import serve_bench
 
-    app, name, gpt = _app_from_args(args)
+    # A steady load of C closed-loop clients has at most C requests waiting: size the queue for them,
+    # so that the benchmark measures serving rather than backpressure (unless --max-queue says otherwise).
+    app, name, gpt = _app_from_args(args, max_queue=max(64, args.concurrency))
     cfg = gpt.config
     if cfg.model_type != "c2i":
         raise ValueError("serve-bench drives class-conditional models only")
     body = {} if args.cfg_scale is None else dict(cfg_scale=args.cfg_scale)
     result = serve_bench(app, name, args.requests, args.concurrency, n=args.n, warmup=args.warmup,
-                         num_classes=cfg.num_classes, body=body)
+                         num_classes=cfg.num_classes, body=body, client_process=not args.client_in_process)
+    w = result["worker"]
+    print(f"worker over the timed run: {w['steps']} steps, {w['step_ms']:.2f} ms host time per step launch, "
+          f"{w['busy_ms_per_step']:.2f} ms busy per step; seconds: step {w['step_s']:.2f}, admit {w['admit_s']:.2f} "
+          f"({w['admissions']} prefills, {w['admitted_requests']} requests), finish {w['finish_s']:.2f} "
+          f"({w['finish_batches']} batches, {w['finished_requests']} requests), idle {w['idle_s']:.2f}, "
+          f"other {w['other_s']:.2f}; {result['retries']} retries after 429, {result['failures']} failures",
+          flush=True)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +86,8 @@ def _add_server_args(p) -> None:
     p.add_argument("--max-batch", type=positive_int, default=32, help="images decoded at once per policy, at most")
     p.add_argument("--kv-memory-gb", type=float, default=None,
                    help="KV cache budget per policy; sets the slot pool (default: free GPU memory on cuda)")
-    p.add_argument("--max-queue", type=positive_int, default=64, help="waiting requests per policy before 429")
+    p.add_argument("--max-queue", type=positive_int, default=None,
+                   help="waiting requests per policy before 429 (default: 64; serve-bench: max(64, --concurrency))")
     p.add_argument("--max-images", type=positive_int, default=8, help="images per request, at most")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take unless it asks (504 after)")
     p.add_argument("--max-policies", type=positive_int, default=2, help="policies with a live slot pool at once")
@@ -98,5 +108,7 @@ def add_serve_parser(sub) -> None:
     b.add_argument("--concurrency", type=positive_int, default=32, help="clients, each with one request in flight")
     b.add_argument("--n", type=positive_int, default=1, help="images per request")
     b.add_argument("--warmup", type=int, default=None, help="untimed requests first (default: --concurrency)")
+    b.add_argument("--client-in-process", action="store_true",
+                   help="run the clients in the server's process (default: a process of their own)")
     b.add_argument("--out", help="write the JSON here too")
     b.set_defaults(func=cmd_serve_bench)

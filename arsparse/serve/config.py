@@ -15,9 +15,8 @@ class ServeConfig:
     answers 429. ``max_images``: images per request. ``timeout_s``: a request's deadline unless it
     asks for another (at most ``max_timeout_s``). ``max_policies``: policies (name + parameters)
     with a live slot pool at once; an idle one is closed to make room for a new one.
-    ``poll_s``: how often a waiting request checks whether its client went away. ``cuda_graphs``:
-    replay continuous-batching steps from CUDA graphs (CUDA only; one per step shape, captured on
-    first use).
+    ``cuda_graphs``: replay continuous-batching steps from CUDA graphs (CUDA only; one per step
+    shape, captured on first use).
     """
 
     max_batch: int = 32
@@ -27,7 +26,6 @@ class ServeConfig:
     timeout_s: float = 120.0
     max_timeout_s: float = 600.0
     max_policies: int = 2
-    poll_s: float = 0.05
     cuda_graphs: bool = True
 
     def __post_init__(self):
@@ -35,7 +33,7 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ServeConfig: {name} must be a positive integer, got {v!r}")
-        for name in ("timeout_s", "max_timeout_s", "poll_s"):
+        for name in ("timeout_s", "max_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"ServeConfig: {name} must be a positive number of seconds, got {v!r}")

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import platform
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 import uvicorn
@@ -42,29 +44,66 @@ class ServerThread:
 
 
 async def drive(url: str, bodies: list[dict], concurrency: int, timeout: float = 600.0,
-                headers: dict | None = None) -> list[dict]:
+                headers: dict | None = None, retry_busy: bool = True) -> list[dict]:
     """POST every body to ``/v1/generate`` from ``concurrency`` clients, each sending its next as soon as
-    its last is answered (a closed loop). -> one record per body, in order: index, status, latency_s,
-    the JSON answer (or None) and the response headers."""
+    its last is answered (a closed loop). A 429 with Retry-After is sent again after that many seconds
+    (``retry_busy``; while ``timeout`` lasts), as a well-behaved client does.
+
+    -> one record per body, in order: index, status (the last answer's; -1: no answer, the client
+    raised), latency_s (from the first attempt), retries (429s retried), the JSON answer (or None; for
+    -1 ``{"detail": the exception}``) and the response headers.
+    """
     records: list[dict | None] = [None] * len(bodies)
     next_index = iter(range(len(bodies)))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
+    async def post(client: httpx.AsyncClient, body: dict) -> tuple[int, dict | None, dict]:
+        try:
+            r = await client.post("/v1/generate", json=body, headers=headers)
+        except httpx.HTTPError as e:
+            return -1, {"detail": f"{type(e).__name__}: {e!r}"}, {}
+        data = r.json() if r.headers.get("content-type", "").startswith("application/json") else None
+        return r.status_code, data, dict(r.headers)
+
     async def client_loop(client: httpx.AsyncClient) -> None:
         for i in next_index:
-            t0 = time.perf_counter()
-            try:
-                r = await client.post("/v1/generate", json=bodies[i], headers=headers)
-                status, data, hdrs = r.status_code, None, dict(r.headers)
-                if r.headers.get("content-type", "").startswith("application/json"):
-                    data = r.json()
-            except httpx.HTTPError as e:
-                status, data, hdrs = -1, {"detail": f"{type(e).__name__}: {e}"}, {}
-            records[i] = dict(index=i, status=status, latency_s=time.perf_counter() - t0, json=data, headers=hdrs)
+            t0, retries = time.perf_counter(), 0
+            while True:
+                status, data, hdrs = await post(client, bodies[i])
+                wait = _retry_after(hdrs) if status == 429 and retry_busy else None
+                if wait is None or time.perf_counter() - t0 + wait > timeout:
+                    break
+                retries += 1
+                await asyncio.sleep(wait)
+            records[i] = dict(index=i, status=status, latency_s=time.perf_counter() - t0, retries=retries, json=data,
+                              headers=hdrs)
 
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return records
+
+
+def _retry_after(headers: dict) -> float | None:
+    """Seconds a Retry-After header asks for (None: none given, or not a number of seconds)."""
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def drive_summary(url: str, bodies: list[dict], concurrency: int, timeout: float = 600.0) -> tuple[list[dict], float]:
+    """:func:`drive`, timed, with each record cut to what a benchmark keeps: index, status, latency_s,
+    retries, images (how many came back) and detail (why not, for a failure). -> (records, seconds)."""
+    t0 = time.perf_counter()
+    records = asyncio.run(drive(url, bodies, concurrency, timeout))
+    elapsed = time.perf_counter() - t0
+    slim = []
+    for r in records:
+        data = r["json"] if isinstance(r["json"], dict) else {}
+        slim.append(dict(index=r["index"], status=r["status"], latency_s=r["latency_s"], retries=r["retries"],
+                         images=len(data.get("images") or []), detail=None if r["status"] == 200 else data.get("detail")))
+    return slim, elapsed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,11 +117,27 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def _worker_delta(before: dict, after: dict) -> dict:
+    """The worker clock over an interval (``after`` - ``before`` of :meth:`WorkerClock.snapshot`)."""
+    out = {k: after[k] - before[k] for k in after if k not in ("step_ms", "busy_ms_per_step")}
+    steps = max(1, out["steps"])
+    out.update(step_ms=1e3 * out["step_s"] / steps, busy_ms_per_step=1e3 * (out["worker_s"] - out["idle_s"]) / steps)
+    return out
+
+
+FAILURES_KEPT = 5  # failure details a serve-bench JSON keeps
+
+
 def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, warmup: int | None = None,
-                num_classes: int = 1, body: dict | None = None) -> dict:
+                num_classes: int = 1, body: dict | None = None, client_process: bool = True) -> dict:
     """Start ``app`` on a loopback port, warm it up, then drive ``requests`` requests of ``n`` images
-    from ``concurrency`` clients. -> requests/s, images/s, tokens/s, latency percentiles and the
-    largest running batch the default policy reached, as a JSON-able dict."""
+    from ``concurrency`` clients. -> requests/s, images/s, tokens/s, latency percentiles, the largest
+    running batch, the worker's time breakdown over the timed part (``worker``), 429 retries and the
+    first few failures, as a JSON-able dict. ``failures``: requests that never got their images.
+
+    ``client_process``: the clients run in a process of their own (spawned), so that their Python
+    work (JSON, base64) does not compete with the server for this process's GIL, as in a deployment.
+    """
     import torch
 
     warmup = concurrency if warmup is None else warmup
@@ -92,22 +147,32 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
         return [dict(class_label=(offset + i) % num_classes, n=n, seed=offset + i, **extra) for i in range(count)]
 
     gen = app.state.pool.default.gen
-    with ServerThread(app) as srv:
-        asyncio.run(drive(srv.url, bodies(warmup, 10**6), concurrency))
-        t0 = time.perf_counter()
-        records = asyncio.run(drive(srv.url, bodies(requests, 0), concurrency))
-        elapsed = time.perf_counter() - t0
+    with ServerThread(app) as srv, ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        def run(batch: list[dict]) -> tuple[list[dict], float]:
+            if client_process:
+                return ex.submit(drive_summary, srv.url, batch, concurrency).result()
+            return drive_summary(srv.url, batch, concurrency)
+
+        if warmup:
+            run(bodies(warmup, 10**6))
+        before = httpx.get(srv.url + "/health").json()["policies"][0]
+        records, elapsed = run(bodies(requests, 0))
         stats = httpx.get(srv.url + "/health").json()["policies"][0]
-    ok = [r for r in records if r["status"] == 200]
+    ok = [r for r in records if r["status"] == 200 and r["images"] == n]
+    failed = [r for r in records if not (r["status"] == 200 and r["images"] == n)]
     lat = [r["latency_s"] for r in ok]
     tokens = gen.config.image_tokens
     return dict(
         model=model, policy=stats["policy"], mode=stats["mode"], device=str(gen.device), dtype=str(gen.dtype),
         gpu=torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else None, torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"), host=platform.node(), requests=requests, concurrency=concurrency,
-        images_per_request=n, warmup_requests=warmup, failures=len(records) - len(ok),
-        failure_statuses=sorted({r["status"] for r in records if r["status"] != 200}), seconds=elapsed,
-        requests_per_s=len(ok) / elapsed, images_per_s=len(ok) * n / elapsed, tokens_per_s=len(ok) * n * tokens / elapsed,
+        images_per_request=n, warmup_requests=warmup, client_process=client_process,
+        max_queue=app.state.config.max_queue, failures=len(failed),
+        failure_statuses=sorted({r["status"] for r in failed}),
+        failure_details=[dict(index=r["index"], status=r["status"], detail=r["detail"]) for r in failed[:FAILURES_KEPT]],
+        retries=sum(r["retries"] for r in records), retried_requests=sum(r["retries"] > 0 for r in records),
+        seconds=elapsed, requests_per_s=len(ok) / elapsed, images_per_s=len(ok) * n / elapsed,
+        tokens_per_s=len(ok) * n * tokens / elapsed,
         latency_p50_s=percentile(lat, 50), latency_p90_s=percentile(lat, 90), latency_p99_s=percentile(lat, 99),
         latency_mean_s=sum(lat) / max(1, len(lat)), max_running_images=stats["max_running_images"], slots=stats["slots"],
-        kv_bytes_capacity=stats["kv_bytes_capacity"])
+        kv_bytes_capacity=stats["kv_bytes_capacity"], worker=_worker_delta(before["worker"], stats["worker"]))

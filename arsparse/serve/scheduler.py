@@ -8,6 +8,11 @@ client went away (their slots are freed at once), admits waiting requests in arr
 their images fit in the free slots, then runs one step. Every request's future is resolved
 exactly once, by the worker, with its own tokens (rows are never shared between requests).
 
+The worker never waits on the device while there is work: requests that finish on the same step
+are decoded to images in one batch, copied to host memory asynchronously, and answered once the
+copy is done (checked between steps). Where its time goes is in ``stats()["worker"]``
+(:class:`WorkerClock`).
+
 Two modes:
 
 * :class:`ContinuousScheduler` (dense and offset policies): true continuous batching over a
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.continuous import SlotDecoder
+from ..engine.continuous import SlotDecoder, to_device
 from ..engine.generator import Generator
 
 log = logging.getLogger("arsparse.serve")
@@ -100,10 +105,58 @@ class Result:
     run_s: float
 
 
+class WorkerClock:
+    """Where a worker thread's time goes: its life cut into back-to-back segments, each charged to one phase.
+
+    ``step``: launching decode steps (on CUDA the device runs them asynchronously, so this is host
+    time: Python, launches, CUDA graph replays, and any wait for the device); ``admit``: prefilling
+    admitted requests; ``finish``: decoding finished requests to images, queuing their copy to the
+    host and answering them; ``idle``: waiting for requests; ``other``: the rest (locks, timeouts,
+    bookkeeping). The seconds add up to ``worker_s``, the time accounted so far. Only
+    ``time.perf_counter`` is read: no device syncs.
+    """
+
+    PHASES = ("step", "admit", "finish", "idle", "other")
+    COUNTS = ("steps", "admissions", "admitted_requests", "finish_batches", "finished_requests")
+
+    def __init__(self):
+        self.start = self.mark = time.perf_counter()
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.counts = dict.fromkeys(self.COUNTS, 0)
+
+    def charge(self, phase: str, **counts: int) -> None:
+        """The time since the last charge was spent in ``phase``; ``counts`` are added to the counters."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.mark
+        self.mark = now
+        for key, n in counts.items():
+            self.counts[key] += n
+
+    def snapshot(self) -> dict:
+        """Seconds per phase (``step_s`` ...), ``worker_s``, the counters, and per step: ``step_ms`` (host
+        time launching one step) and ``busy_ms_per_step`` (all but idle time, per step)."""
+        seconds, counts, worker_s = dict(self.seconds), dict(self.counts), self.mark - self.start
+        steps = max(1, counts["steps"])
+        return {**{f"{p}_s": seconds[p] for p in self.PHASES}, "worker_s": worker_s, **counts,
+                "step_ms": 1e3 * seconds["step"] / steps,
+                "busy_ms_per_step": 1e3 * (sum(seconds.values()) - seconds["idle"]) / steps}
+
+
+@dataclass
+class _Delivery:
+    """Finished requests whose tokens and images are on their way to host memory."""
+
+    jobs: list
+    tokens: torch.Tensor  # (sum n, N) int64, host
+    images: torch.Tensor  # (sum n, 3, H, W), host
+    ready: object  # a CUDA event recorded after the copies, or None (already on the host)
+
+
 class Scheduler:
     """Queue, admission and the worker thread; subclasses define how images are decoded."""
 
     mode = ""
+    sweep_s = 0.02  # how often the worker looks for requests that timed out or were cancelled
 
     def __init__(self, gen: Generator, slots: int, guidance: bool, row_bytes: int, max_queue: int, name: str):
         self.gen, self.slots, self.guidance, self.max_queue, self.name = gen, slots, guidance, max_queue, name
@@ -114,9 +167,12 @@ class Scheduler:
         self._service_s = 1.0  # running mean of a request's decode time, for Retry-After
         self._rate: deque[tuple[float, int]] = deque()  # (time, tokens_total) over the last few seconds
         self._waiting: deque[Job] = deque()
+        self._deliveries: deque[_Delivery] = deque()  # finished, copying to the host (worker thread only)
+        self._next_sweep = 0.0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        self.clock = WorkerClock()
         self._thread = threading.Thread(target=self._loop, name=f"arsparse-serve-{name}", daemon=True)
         self._thread.start()
 
@@ -135,7 +191,7 @@ class Scheduler:
             self._wake.notify()
 
     def cancel(self, job: Job) -> None:
-        """Ask the worker to drop ``job`` (its slots are freed at the next step boundary)."""
+        """Ask the worker to drop ``job`` (its slots are freed at a step boundary within ``sweep_s``)."""
         job.cancelled = True
         with self._wake:
             self._wake.notify()
@@ -147,7 +203,7 @@ class Scheduler:
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._waiting and not self._running()
+            return not self._waiting and not self._running() and not self._deliveries
 
     def stats(self) -> dict:
         with self._lock:
@@ -156,7 +212,8 @@ class Scheduler:
         return dict(policy=self.name, mode=self.mode, slots=self.slots, queue_length=queue, running_images=running,
                     max_running_images=self.max_running, tokens_total=self.tokens_total,
                     tokens_per_second=self.tokens_per_second(), completed=self.completed,
-                    kv_bytes_in_use=running * self.bytes_per_image, kv_bytes_capacity=self.slots * self.bytes_per_image)
+                    kv_bytes_in_use=running * self.bytes_per_image, kv_bytes_capacity=self.slots * self.bytes_per_image,
+                    worker=self.clock.snapshot())
 
     def tokens_per_second(self, window: float = 5.0) -> float:
         now = time.monotonic()
@@ -166,11 +223,12 @@ class Scheduler:
         return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
 
     def close(self) -> None:
-        """Stop the worker; waiting and running requests get a 503."""
+        """Stop the worker; waiting and running requests get a 503 (finished ones are still answered)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join()
+        self._deliver(wait=True)
         err = ServeError(503, f"policy {self.name} was shut down; retry", retry_after=1)
         for job in list(self._waiting):
             self._fail(job, err)
@@ -179,29 +237,47 @@ class Scheduler:
 
     # ---- the worker ---------------------------------------------------------------------
     def _loop(self) -> None:
+        clock = self.clock
         with torch.no_grad():
             while True:
+                if self._deliveries and not self._waiting and not self._running():
+                    self._deliver(wait=True)  # nothing to overlap the copies with
+                    clock.charge("finish")
                 with self._wake:
-                    while not self._closed and not self._waiting and not self._running():
-                        self._wake.wait()
+                    if not self._closed and not self._waiting and not self._running():
+                        clock.charge("other")
+                        while not self._closed and not self._waiting and not self._running():
+                            self._wake.wait()
+                        clock.charge("idle")
                     if self._closed:
                         return
                     now = time.monotonic()
-                    stopped = [(j, j.stop_reason(now)) for j in self._waiting]
-                    stopped = [(j, e) for j, e in stopped if e is not None]
-                    for job, _ in stopped:
-                        self._waiting.remove(job)
+                    sweep = now >= self._next_sweep
+                    stopped = []
+                    if sweep:  # an O(queue) scan: not every step
+                        self._next_sweep = now + self.sweep_s
+                        stopped = [(j, e) for j in self._waiting if (e := j.stop_reason(now)) is not None]
+                        for job, _ in stopped:
+                            self._waiting.remove(job)
                 for job, err in stopped:
                     self._fail(job, err)
                 try:
-                    self._reap(time.monotonic())
-                    self._admit()
+                    if sweep:
+                        self._reap(now)
+                    clock.charge("other")
+                    admitted = self._admit()
+                    if admitted:
+                        clock.charge("admit", admissions=1, admitted_requests=admitted)
                     self.max_running = max(self.max_running, self.running_images())
                     if self._running():
-                        self._advance()
+                        self._advance()  # charges step and finish itself
+                    if self._deliveries:
+                        self._deliver()
+                        clock.charge("finish")
                 except Exception as e:  # an engine failure fails what runs now; the server stays up
                     log.exception("decode failed under policy %s", self.name)
                     self._drop_running(ServeError(500, f"generation failed: {type(e).__name__}: {e}"))
+                    clock.charge("other")
 
     def _take_fitting(self, free: int, group=None) -> list[Job]:
         """Waiting jobs to start now: in arrival order while they fit in ``free`` slots (and are of ``group``)."""
@@ -222,18 +298,45 @@ class Scheduler:
         while self._rate and now - self._rate[0][0] > 10.0:
             self._rate.popleft()
 
-    def _finish(self, job: Job, tokens: torch.Tensor) -> None:
+    def _finish(self, jobs: list[Job], tokens: torch.Tensor) -> None:
+        """``jobs`` are done; ``tokens`` (sum n, N) their tokens in order, on the device. Their images are
+        decoded in one batch and copied to the host without waiting; :meth:`_deliver` answers them."""
         try:
-            images = self.gen.decode_images(tokens)
+            # One batch on a GPU; one image at a time on the CPU, where a batch only spills the caches.
+            chunk = 16 if tokens.device.type == "cuda" else 1
+            images = self.gen.decode_images(tokens, chunk=chunk, host=False)  # (sum n, 3, H, W) on the device
+            if tokens.device.type == "cuda":
+                tokens, images, ready = _to_host(tokens), _to_host(images), torch.cuda.Event()
+                ready.record()
+            else:
+                tokens, images, ready = tokens.cpu(), images.cpu(), None
         except Exception as e:
-            self._fail(job, ServeError(500, f"decoding images failed: {type(e).__name__}: {e}"))
+            for job in jobs:
+                self._fail(job, ServeError(500, f"decoding images failed: {type(e).__name__}: {e}"))
             return
-        now = time.monotonic()
-        run_s = now - (job.started or now)
-        self._service_s = 0.8 * self._service_s + 0.2 * run_s
-        self.completed += 1
-        if not job.future.done():
-            job.future.set_result(Result(tokens.cpu(), images, queue_s=(job.started or now) - job.submitted, run_s=run_s))
+        self._deliveries.append(_Delivery(jobs, tokens, images, ready))
+        self.clock.charge("finish", finish_batches=1)
+
+    def _deliver(self, wait: bool = False) -> None:
+        """Answer the finished requests whose copies to the host are done (``wait``: all of them)."""
+        while self._deliveries:
+            d = self._deliveries[0]
+            if d.ready is not None:
+                if not wait and not d.ready.query():
+                    return
+                d.ready.synchronize()
+            self._deliveries.popleft()
+            now, first = time.monotonic(), 0
+            for job in d.jobs:
+                run_s = now - (job.started or now)
+                self._service_s = 0.8 * self._service_s + 0.2 * run_s
+                self.completed += 1
+                if not job.future.done():
+                    rows = slice(first, first + job.n)
+                    job.future.set_result(Result(d.tokens[rows], d.images[rows],
+                                                 queue_s=(job.started or now) - job.submitted, run_s=run_s))
+                first += job.n
+            self.clock.counts["finished_requests"] += len(d.jobs)
 
     @staticmethod
     def _fail(job: Job, err: ServeError) -> None:
@@ -251,14 +354,23 @@ class Scheduler:
         """Drop running jobs that were cancelled or timed out."""
         raise NotImplementedError
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Start waiting jobs that fit; -> how many."""
         raise NotImplementedError
 
     def _advance(self) -> None:
+        """One step; charges the clock's ``step`` (and ``finish`` for requests that completed)."""
         raise NotImplementedError
 
     def _drop_running(self, err: ServeError) -> None:
         raise NotImplementedError
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor ``x``, queued on the current stream (valid once it has run)."""
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    return out
 
 
 class ContinuousScheduler(Scheduler):
@@ -270,16 +382,22 @@ class ContinuousScheduler(Scheduler):
                  cuda_graphs: bool = False):
         self.decoder = SlotDecoder(gen, slots, guidance, cuda_graphs=cuda_graphs)
         self._jobs: dict[Job, list[int]] = {}  # running job -> its slots
+        self._owner: dict[int, Job] = {}  # busy slot -> its job
+        self._images = 0  # images of the running jobs
         super().__init__(gen, slots, guidance, row_bytes, max_queue, name)
 
     def _running(self) -> bool:
         return bool(self._jobs)
 
     def running_images(self) -> int:
-        return sum(len(s) for s in list(self._jobs.values()))
+        return self._images
 
     def _release(self, job: Job) -> None:
-        self.decoder.release(self._jobs.pop(job))
+        slots = self._jobs.pop(job)
+        for s in slots:
+            del self._owner[s]
+        self._images -= len(slots)
+        self.decoder.release(slots)
 
     def _reap(self, now: float) -> None:
         for job in list(self._jobs):
@@ -288,14 +406,18 @@ class ContinuousScheduler(Scheduler):
                 self._release(job)
                 self._fail(job, err)
 
-    def _admit(self) -> None:
-        free = self.decoder.free_slots()
-        jobs = self._take_fitting(len(free))
+    def _admit(self) -> int:
+        if not self._waiting:
+            return 0
+        jobs = self._take_fitting(self.decoder.free_count())
         if not jobs:
-            return
-        slots, start = [], time.monotonic()
+            return 0
+        free, slots, start = self.decoder.free_slots(), [], time.monotonic()
         for job in jobs:
             self._jobs[job], free = free[: job.n], free[job.n :]
+            for s in self._jobs[job]:
+                self._owner[s] = job
+            self._images += job.n
             slots += self._jobs[job]
             job.started = start
         rows = {k: [v for job in jobs for v in job.rows[k]] for k in jobs[0].rows}
@@ -307,17 +429,26 @@ class ContinuousScheduler(Scheduler):
             for job in jobs:
                 self._release(job)
                 self._fail(job, ServeError(500, f"prefill failed: {type(e).__name__}: {e}"))
-            return
+            return 0
         self._count(len(slots))
+        return len(jobs)
 
     def _advance(self) -> None:
         self._count(self.decoder.step())
-        done = set(self.decoder.done())
-        for job, slots in list(self._jobs.items()):
-            if all(s in done for s in slots):
-                tokens = self.decoder.tokens(slots)
-                self._release(job)
-                self._finish(job, tokens)
+        self.clock.charge("step", steps=1)
+        done = self.decoder.done()
+        if not done:
+            return
+        done_set = set(done)
+        # A job's images join together, so they finish on the same step.
+        finished = list(dict.fromkeys(self._owner[s] for s in done))
+        finished = [job for job in finished if all(s in done_set for s in self._jobs[job])]
+        if not finished:
+            return
+        tokens = self.decoder.tokens([s for job in finished for s in self._jobs[job]])
+        for job in finished:
+            self._release(job)
+        self._finish(finished, tokens)
 
     def _drop_running(self, err: ServeError) -> None:
         for job in list(self._jobs):
@@ -367,31 +498,32 @@ class CohortScheduler(Scheduler):
         if not c.jobs:
             self._cohort = None
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         if self._cohort is not None:
-            return
+            return 0
         with self._lock:
             group = self._waiting[0].group if self._waiting else None
         jobs = self._take_fitting(self.slots, group)
         if not jobs:
-            return
+            return 0
         rows = {k: [v for job in jobs for v in job.rows[k]] for k in jobs[0].rows}
         start = time.monotonic()
         try:
             run, cond, B = self.gen.prepare(torch.cat([job.cond for job in jobs]), seed=0, prompt_mask=_masks(jobs),
                                             **rows)
-            run.keys[:B] = torch.tensor([k for job in jobs for k in job.keys], device=run.keys.device)
+            run.keys[:B] = to_device([k for job in jobs for k in job.keys], run.keys.device)
             run.start(cond)
         except Exception as e:
             log.exception("prefill failed under policy %s", self.name)
             for job in jobs:
                 self._fail(job, ServeError(500, f"prefill failed: {type(e).__name__}: {e}"))
-            return
+            return 0
         first = itertools.accumulate([0] + [job.n for job in jobs])
         self._cohort = _Cohort(run, B, dict(zip(jobs, first)), steps_left=self.gen.config.image_tokens - 1)
         for job in jobs:
             job.started = start
         self._count(B)
+        return len(jobs)
 
     def _advance(self) -> None:
         c = self._cohort
@@ -399,11 +531,13 @@ class CohortScheduler(Scheduler):
             c.run.advance()
             c.steps_left -= 1
             self._count(self.running_images())
+        self.clock.charge("step", steps=1)
         if c.steps_left == 0:
-            out = c.run.out[: c.B].cpu()
             self._cohort = None
-            for job, first in c.jobs.items():
-                self._finish(job, out[first : first + job.n])
+            jobs = list(c.jobs)
+            if jobs:
+                rows = torch.cat([torch.arange(first, first + job.n) for job, first in c.jobs.items()])
+                self._finish(jobs, c.run.out[to_device(rows, c.run.out.device)])
 
     def _drop_running(self, err: ServeError) -> None:
         c, self._cohort = self._cohort, None
