@@ -61,6 +61,14 @@ def row_positions(g, B: int, lo: int, hi: int, must: list[int]) -> torch.Tensor:
     return pos
 
 
+def random_span(g, B: int, P: int) -> torch.Tensor:
+    """(B, 2) int32 spans of left, right and two-sided padding (row 0: one real token at the end)."""
+    lo = torch.randint(0, P, (B,), generator=g)
+    hi = lo + 1 + (torch.rand(B, generator=g) * (P - lo)).long().clamp(max=P - lo - 1)
+    lo[0], hi[0] = P - 1, P
+    return torch.stack([lo, hi], 1).int()
+
+
 def random_decode_case(B, H, Hkv, S, D, pos, dtype, seed, device="cpu"):
     """Inputs of fused dense decode attention and the reference's answer.
 

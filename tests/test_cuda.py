@@ -114,14 +114,22 @@ def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, 
     _same(inputs[3:5], [want_k, want_v])
 
 
-RING_VARIANTS = [None, dict(rows=1, block_o=16, num_warps=2), dict(rows=4, block_o=32, num_warps=4, num_stages=2)]
+RING_VARIANTS = {  # ring_decode_attention's settings: the engine's, the grouped candidate, blocks of query heads
+    "heads": {},
+    "grouped-r1": dict(grouped=dict(rows=1, block_o=16, num_warps=2)),
+    "grouped-r4": dict(grouped=dict(rows=4, block_o=32, num_warps=4, num_stages=2)),
+    "hb4-late": dict(launch=dict(heads_per_program=4, late_cast=True, num_warps=4)),
+    "hb5": dict(launch=dict(heads_per_program=5, num_warps=4)),
+    "hb10-late": dict(launch=dict(heads_per_program=10, late_cast=True, num_warps=8)),
+}
 
 
-@pytest.mark.parametrize("grouped", RING_VARIANTS, ids=["heads", "grouped-r1", "grouped-r4"])
+@pytest.mark.parametrize("variant", list(RING_VARIANTS))
 @pytest.mark.parametrize("H,Hkv,D", [(20, 20, 64), (32, 8, 100), (16, 2, 128)])
-def test_fused_ring_kernel_matches_reference_bf16_on_gpu(grouped, H, Hkv, D):
+def test_fused_ring_kernel_matches_reference_bf16_on_gpu(variant, H, Hkv, D):
     """diagonal's default read set on the 24x24 grid, a position per row from the first image
-    position to the last, then one position for every row."""
+    position to the last, then one position for every row (head blocks: part-blocks, blocks
+    spanning kv heads)."""
     from arsparse.kernels.triton import ring_decode_attention
     from arsparse.layout import Layout
     from arsparse.policies import get
@@ -135,7 +143,7 @@ def test_fused_ring_kernel_matches_reference_bf16_on_gpu(grouped, H, Hkv, D):
     for p in (pos, pos[3]):
         inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.bfloat16,
                                                       int(p.sum()), "cuda")
-        got = ring_decode_attention(*inputs, S, grouped=grouped)
+        got = ring_decode_attention(*inputs, S, **RING_VARIANTS[variant])
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
         _same(inputs[3:9], want_bufs)
 
@@ -226,8 +234,9 @@ def test_masked_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, spli
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("grouped", [None, dict(rows=4, block_o=32, num_warps=4)], ids=["heads", "grouped"])
-def test_masked_ring_kernel_matches_reference_bf16_on_gpu(grouped):
+@pytest.mark.parametrize("variant", ["heads", "grouped-r4", "hb5", "hb10-late"])
+def test_masked_ring_kernel_matches_reference_bf16_on_gpu(variant):
+    """A t2i prompt with caption padding (NaN), GQA, head_dim 100; the remainder entry too (not grouped)."""
     from arsparse.kernels.reference import ring_decode_attention_ref
     from arsparse.kernels.triton import ring_decode_attention
     from arsparse.layout import Layout
@@ -244,8 +253,12 @@ def test_masked_ring_kernel_matches_reference_bf16_on_gpu(grouped):
     inputs, _ = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, torch.bfloat16, 9)
     for t in inputs[3:5]:
         _poison_prompt(t, span, P)
-    want = ring_decode_attention_ref(*inputs[:3], *[t.clone() for t in inputs[3:9]], offsets, pos, S, prompt_span=span)
-    got = ring_decode_attention(*(t.cuda() for t in inputs), S, grouped=grouped, prompt_span=span.cuda())
+    kw = RING_VARIANTS[variant]
+    sums = None if "grouped" in kw else [torch.randn(B, Hkv, D, generator=g).mul_(5) for _ in range(2)]
+    want = ring_decode_attention_ref(*inputs[:3], *[t.clone() for t in inputs[3:9]], offsets, pos, S, prompt_span=span,
+                                     rest_sums=sums)
+    got = ring_decode_attention(*(t.cuda() for t in inputs), S, prompt_span=span.cuda(), **kw,
+                                rest_sums=None if sums is None else [t.cuda() for t in sums])
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
 

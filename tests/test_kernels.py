@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from arsparse.kernels.reference import decode_attention_ref, ring_decode_attention_ref  # noqa: E402
 from arsparse.kernels.triton import decode_attention, ring_decode_attention  # noqa: E402
-from conftest import random_decode_case, random_offsets, random_ring_case, row_positions  # noqa: E402
+from conftest import random_decode_case, random_offsets, random_ring_case, random_span, row_positions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -125,6 +125,47 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv
         ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
 
 
+HEAD_BLOCKS = [dict(heads_per_program=1, late_cast=True), dict(heads_per_program=3, num_warps=4),
+               dict(heads_per_program=4, late_cast=True), dict(heads_per_program=5, late_cast=True, num_warps=1)]
+
+
+@pytest.mark.parametrize("launch", HEAD_BLOCKS, ids=["hb1-late", "hb3", "hb4-late", "hb5-late"])
+@pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
+    (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
+    (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
+    (3, 6, 3, 3, 0, 7, 100, torch.bfloat16),  # GQA 2, no sinks, head_dim 100 (a masked tail)
+])
+def test_ring_kernel_head_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
+    """launch=: blocks of query heads per program and cache-dtype tiles, a position per row; then
+    with a caption span (the padded prompt NaN) and the remainder entry. Output and written buffers
+    == the reference's."""
+    g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
+    offsets = random_offsets(g, H, 6, W)
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W])
+    tol = TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, dtype, int(pos.sum()), DEVICE)
+    fresh = [t.clone() for t in inputs]  # for the second call
+    got = ring_decode_attention(*inputs, S, launch=launch)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    _same([t.cpu() for t in inputs[3:9]], want_bufs)
+
+    span = random_span(g, B, P)
+    for t in fresh[3:5]:  # the prompt's padded keys and values
+        for b in range(B):
+            t[b, :, : span[b, 0]] = float("nan")
+            t[b, :, span[b, 1]:] = float("nan")
+    sums = tuple(torch.randn(B, Hkv, D, generator=g).mul_(5) for _ in range(2))
+    bufs = [t.cpu().clone() for t in fresh[3:9]]
+    want = ring_decode_attention_ref(*[t.cpu() for t in fresh[:3]], *bufs, offsets, pos, S, prompt_span=span,
+                                     rest_sums=sums)
+    got = ring_decode_attention(*fresh, S, launch=launch, prompt_span=span.to(DEVICE),
+                                rest_sums=[t.to(DEVICE) for t in sums])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    _same([t.cpu() for t in fresh[3:9]], bufs)
+
+
 def test_ring_kernel_rejects_bad_input():
     B, H, D = 2, 4, 64
     q, new = torch.randn(B, H, D), torch.randn(B, H, D)
@@ -140,6 +181,17 @@ def test_ring_kernel_rejects_bad_input():
         ring_decode_attention(q, new, new, pk[:, :, :0], pk[:, :, :0], sk, sk, rk, rk, offs, torch.tensor(3), 2)
     with pytest.raises(ValueError, match="unknown grouped settings"):
         ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, grouped=dict(row=2))
+    with pytest.raises(ValueError, match=r"unknown launch settings \['heads'\]"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch=dict(heads=2))
+    with pytest.raises(ValueError, match="heads_per_program=0 is invalid: must be an int >= 1"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2,
+                              launch=dict(heads_per_program=0))
+    with pytest.raises(ValueError, match="late_cast=1 is invalid: must be a bool"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch=dict(late_cast=1))
+    with pytest.raises(ValueError, match="num_warps=3 is invalid"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, grouped=dict(num_warps=3))
+    with pytest.raises(ValueError, match="give one of them"):
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch={}, grouped={})
 
 
 # ---- the caches and the engine through the kernels --------------------------------------------

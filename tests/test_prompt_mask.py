@@ -21,7 +21,8 @@ from arsparse.engine.generator import Generator, _Plan, _Runner  # noqa: E402
 from arsparse.kernels.reference import decode_attention_ref, ring_decode_attention_ref, slot_decode_attention_ref  # noqa: E402
 from arsparse.kernels.triton import decode_attention, ring_decode_attention, slot_decode_attention  # noqa: E402
 from arsparse.prompt_mask import check_prompt_mask, pad_captions, prompt_span  # noqa: E402
-from conftest import random_cond, random_gpt, random_offsets, random_ring_case, random_slot_tables, row_positions  # noqa: E402
+from conftest import (random_cond, random_gpt, random_offsets, random_ring_case, random_slot_tables,  # noqa: E402
+                      random_span, row_positions)
 
 P = 7  # prompt tokens of the tiny t2i model
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -46,14 +47,6 @@ def random_mask(g, B: int, P: int, side: str = "left") -> torch.Tensor:
     if side == "right":
         return right
     return torch.where((torch.arange(B) % 2 == 0)[:, None], left, right)
-
-
-def random_span(g, B: int, P: int) -> torch.Tensor:
-    """(B, 2) int32 spans of left, right and two-sided padding (row 0: one real token at the end)."""
-    lo = torch.randint(0, P, (B,), generator=g)
-    hi = lo + 1 + (torch.rand(B, generator=g) * (P - lo)).long().clamp(max=P - lo - 1)
-    lo[0], hi[0] = P - 1, P
-    return torch.stack([lo, hi], 1).int()
 
 
 class AdditiveMaskAttention:

@@ -6,10 +6,12 @@
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
-# compare the engine's kernel ("heads": one program per (row, query head), by num_warps) with the
-# candidate ("grouped": one program per (rows, kv head), the ring read in chunks of block_o
-# offsets, by rows / block_o / num_warps / num_stages); "rows" variants give each row its own
-# position (continuous batching).
+# compare the engine's kernel ("heads": one program per (row, heads_per_program query heads), by
+# heads_per_program / late_cast (K/V tiles in bf16 until the products) / num_warps; "ring-best":
+# the fastest of each heads_per_program x late_cast) with the candidate ("grouped": one program per
+# (rows, kv head), the ring read in chunks of block_o offsets, by rows / block_o / num_warps);
+# "rows" variants give each row its own position (continuous batching): the engine's setting, the
+# fastest "heads" setting and the fastest "grouped" one.
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
@@ -66,7 +68,8 @@ def sweep_dense(rows):
     report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1]), extra)
 
 def sweep_ring(rows):
-    """diagonal's default read set on the 24x24 grid: the engine's kernel, then the candidate."""
+    """diagonal's default read set on the 24x24 grid: the engine's kernel by heads per program,
+    late_cast and num_warps (its current setting: 1 head, no late cast, 2 warps), then the candidate."""
     lay, pol = Layout(1, 24, 24), get("diagonal")
     offs = pol.offset_table(lay, 1, H)[0].to(dev)
     Wn, Sn = pol.window(lay, 1, H), pol.sink_count(lay)
@@ -74,21 +77,29 @@ def sweep_ring(rows):
     nread = 1 + Sn + int((offs >= 0).sum(1).float().mean())
     nbytes = B * H * nread * D * 2 * 2
     args = lambda pp: (q, k_new, v_new, *bufs, offs, pp, Sn)
-    engine = dict(ring.LAUNCH)
-    for nw in (1, 2, 4, 8):
-        ring.LAUNCH = dict(num_warps=nw)
-        us = timeit(lambda: ring_decode_attention(*args(p)))
-        rows.append(dict(kernel="ring", variant="heads", num_warps=nw, us=us, gb_s=nbytes / us / 1e3, read=nread))
-    ring.LAUNCH = engine
-    for rw, bo, nw, ns in itertools.product((1, 2, 4, 8), (16, 32, 64), (1, 2, 4), (2, 3)):
-        cand = dict(rows=rw, block_o=bo, num_warps=nw, num_stages=ns)
+    engine = dict(variant="heads", **ring.LAUNCH)
+    heads = [(1, nw) for nw in (1, 2, 4, 8)] + [(hb, nw) for hb in (2, 4, 5, 10) for nw in (2, 4, 8)]
+    want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
+    agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
+    for (hb, nw), late in itertools.product(heads, (False, True)):
+        launch = dict(heads_per_program=hb, late_cast=late, num_warps=nw)
+        us = timeit(lambda: ring_decode_attention(*args(p), launch=launch))
+        ok = agrees(ring_decode_attention(*args(p), launch=launch))
+        rows.append(dict(kernel="ring", variant="heads", **launch, us=us, gb_s=nbytes / us / 1e3, read=nread, ok=ok))
+    for rw, bo, nw in itertools.product((1, 4), (16, 32), (2, 4)):
+        cand = dict(rows=rw, block_o=bo, num_warps=nw, num_stages=2)
         us = timeit(lambda: ring_decode_attention(*args(p), grouped=cand))
-        rows.append(dict(kernel="ring", variant="grouped", **cand, us=us, gb_s=nbytes / us / 1e3))
-    best = min((x for x in rows if x.get("variant") == "grouped"), key=lambda x: x["us"])
-    cand = {k: best[k] for k in ("rows", "block_o", "num_warps", "num_stages")}
-    extra = [dict(best, kernel="ring-best-grouped")]
+        ok = agrees(ring_decode_attention(*args(p), grouped=cand))
+        rows.append(dict(kernel="ring", variant="grouped", **cand, us=us, gb_s=nbytes / us / 1e3, ok=ok))
+    ring_rows = [x for x in rows if x["kernel"] == "ring"]
+    variants = {(x["variant"], x.get("heads_per_program"), x.get("late_cast")) for x in ring_rows}
+    extra = [dict(min((x for x in ring_rows if (x["variant"], x.get("heads_per_program"), x.get("late_cast")) == v),
+                      key=lambda x: x["us"]), kernel="ring-best") for v in sorted(variants, key=lambda v: (v[0], v[1] or 0, bool(v[2])))]
+    pick = lambda var: min((x for x in ring_rows if x["variant"] == var), key=lambda x: x["us"])
+    best_heads = {k: pick("heads")[k] for k in ("heads_per_program", "late_cast", "num_warps")}
+    best_grouped = {k: pick("grouped")[k] for k in ("rows", "block_o", "num_warps", "num_stages")}
     p_img = torch.randint(lay.prefix_len, S - 1, (B,), device=dev, generator=g)  # a position per row
-    for name, kw in (("heads", {}), ("grouped", dict(grouped=cand))):
+    for name, kw in (("engine", {}), ("best-heads", dict(launch=best_heads)), ("grouped", dict(grouped=best_grouped))):
         us = timeit(lambda: ring_decode_attention(*args(p_img), **kw))
         extra.append(dict(kernel="ring-rows", variant=name, **kw, us=us, gb_s=nbytes / us / 1e3))
     i = pos - 1
@@ -97,7 +108,7 @@ def sweep_ring(rows):
     us = timeit(lambda: [t.index_copy_(2, idx, x[:, :, None]) for t, idx, x in writes])
     extra.append(dict(kernel="ring-writes", us=us))
     rows += extra
-    report(rows, "ring", dict(variant="heads", **engine), extra)
+    report(rows, "ring", engine, extra)
 
 def sweep_slots(rows):
     """83 kept + 1 spare, ~5% free."""

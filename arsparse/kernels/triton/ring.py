@@ -7,15 +7,39 @@ import triton
 from ._ring import ring_decode_grouped_kernel, ring_decode_kernel
 from .decode import check_new_kv, check_prompt_span, position_stride
 
-#: Launch options (chosen by a sweep on an H200, see BENCHMARKS.md).
-LAUNCH = dict(num_warps=2)
-#: Settings of the candidate kernel (``grouped=``): rows per program, ring offsets per chunk, launch options.
-GROUPED_KEYS = {"rows", "block_o", "num_warps", "num_stages"}
+#: Settings of the engine's kernel (chosen by a sweep on an H200, see BENCHMARKS.md): query heads of one
+#: row per program, K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
+LAUNCH = dict(heads_per_program=1, late_cast=False, num_warps=2)
+#: Settings ``launch=`` may override (the engine's kernel) and those of the candidate kernel (``grouped=``).
+LAUNCH_KEYS = {"heads_per_program", "late_cast", "num_warps", "num_stages"}
+GROUPED_KEYS = {"rows", "block_o", "late_cast", "num_warps", "num_stages"}
+_VALID = dict(  # setting -> (check, what is allowed)
+    heads_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
+    rows=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
+    block_o=(lambda v: type(v) is int and v >= 1 and v & (v - 1) == 0, "a power of 2"),
+    late_cast=(lambda v: isinstance(v, bool), "a bool"),
+    num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+    num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
+)
+
+
+def _settings(given: dict | None, defaults: dict, allowed: set, what: str) -> dict:
+    """``defaults`` overridden by ``given``: every key of ``given`` in ``allowed``, every value valid."""
+    given = {} if given is None else given
+    unknown = set(given) - allowed
+    if unknown:
+        raise ValueError(f"unknown {what} settings {sorted(unknown)}; allowed: {sorted(allowed)}")
+    merged = {**defaults, **given}
+    for k, v in merged.items():
+        check, allowed_values = _VALID[k]
+        if not check(v):
+            raise ValueError(f"{what} setting {k}={v!r} is invalid: must be {allowed_values}")
+    return merged
 
 
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
-                          n_sinks: int, scale: float | None = None, grouped: dict | None = None,
-                          prompt_span: torch.Tensor | None = None,
+                          n_sinks: int, scale: float | None = None, launch: dict | None = None,
+                          grouped: dict | None = None, prompt_span: torch.Tensor | None = None,
                           rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
@@ -33,9 +57,12 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_k, ring_v : (B, Hkv, W, D) ring buffer: position p lives in slot (p - P) % W
     offsets : (H, n) int64 backward offsets of each head, -1 for padding
     pos : integer tensor, the query's position (>= P): one for every row, or (B,) one per row
-    grouped : the candidate kernel's settings (``rows``, ``block_o``, ``num_warps``, ``num_stages``):
-        one program per (rows, kv head), the ring read in chunks (for the launch sweep; the engine
-        runs the default kernel, one program per (row, query head))
+    launch : overrides of :data:`LAUNCH`, the settings of the engine's kernel (for the launch sweep):
+        ``heads_per_program`` query heads of one row per program (they may span kv heads),
+        ``late_cast`` (K/V tiles in the cache's dtype until the products), ``num_warps``, ``num_stages``
+    grouped : the candidate kernel's settings (``rows``, ``block_o``, ``late_cast``, ``num_warps``,
+        ``num_stages``): one program per (rows, kv head), the ring read in chunks (for the launch
+        sweep; the engine runs the default kernel). Not with ``launch``.
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
@@ -70,6 +97,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     spos = position_stride(pos, B, q.device)
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)
+    if grouped is not None and launch is not None:
+        raise ValueError("launch= sets the default kernel, grouped= the candidate: give one of them")
     if rest_sums is not None:
         if grouped is not None:
             raise ValueError("rest_sums (the remainder entry) runs on the default kernel only, not grouped=")
@@ -92,16 +121,17 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                   BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
     if grouped is None:
-        ring_decode_kernel[(B, H)](*args, P, n_sinks, W, n_off, scale, D, G=H // Hkv,
-                                   BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None,
-                                   **blocks, **LAUNCH)
+        cfg = dict(LAUNCH) if launch is None else _settings(launch, LAUNCH, LAUNCH_KEYS, "launch")
+        hb = cfg.pop("heads_per_program")
+        ring_decode_kernel[(B, triton.cdiv(H, hb))](
+            *args, H, P, n_sinks, W, n_off, scale, D, G=H // Hkv, HB=hb, BLOCK_H=triton.next_power_of_2(hb),
+            BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None,
+            LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
     else:
-        if set(grouped) - GROUPED_KEYS:
-            raise ValueError(f"unknown grouped settings {sorted(set(grouped) - GROUPED_KEYS)}; "
-                             f"allowed: {sorted(GROUPED_KEYS)}")
-        rows = grouped.get("rows", 1)
-        block_o = min(grouped.get("block_o", 16), triton.next_power_of_2(max(n_off, 1)))
-        launch = {k: grouped[k] for k in ("num_warps", "num_stages") if k in grouped}
+        cfg = _settings(grouped, dict(rows=1, block_o=16, late_cast=False), GROUPED_KEYS, "grouped")
+        rows = cfg.pop("rows")
+        block_o = min(cfg.pop("block_o"), triton.next_power_of_2(max(n_off, 1)))
         ring_decode_grouped_kernel[(triton.cdiv(B, rows), Hkv)](
-            *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=block_o, **blocks, **launch)
+            *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=block_o,
+            LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
     return out
