@@ -132,6 +132,15 @@ def test_out_of_range_class_is_rejected():
         gen.sample_tokens([0, 7])
 
 
+def test_a_tokenizer_that_cannot_decode_every_sampled_token_is_rejected():
+    from arsparse.tokenizers import PaletteTokenizer
+
+    model = random_gpt("c2i")  # vocabulary 48
+    with pytest.raises(ValueError, match="decodes 32 token ids but the GPT samples from 48"):
+        Generator(model, PaletteTokenizer(32), device="cpu")
+    assert Generator(model, PaletteTokenizer(64), device="cpu").tokenizer.vocab_size == 64
+
+
 def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 5, 200, 256, 257, 300)] == [1, 2, 4, 8, 256, 256, 320, 320]
 

@@ -13,8 +13,8 @@ import httpx  # noqa: E402
 
 from arsparse.engine.generator import row_keys, sampling_rows  # noqa: E402
 from arsparse.serve.loadgen import ServerThread, drive, drive_summary, percentile, serve_bench  # noqa: E402
+from arsparse.serve.scheduler import Job, ServeError, WorkerClock  # noqa: E402
 from arsparse.tokenizers import to_pil  # noqa: E402
-from arsparse.serve.scheduler import Job, ServeError  # noqa: E402
 from serve_util import DIAGONAL_4x4, b64_pixels, make_app, offline_pixels, offline_tokens, tiny_model  # noqa: E402
 
 
@@ -208,7 +208,7 @@ def test_serve_bench_reports_throughput_latency_batch_and_the_worker_breakdown()
     w = out["worker"]  # the timed part only: the warmup's requests are not counted
     assert w["admitted_requests"] == w["finished_requests"] == 24 and 1 <= w["admissions"] <= 24
     assert 1 <= w["finish_batches"] <= 24 and w["steps"] >= 15  # 16 tokens: 15 steps after the prefill at least
-    phases = sum(w[f"{p}_s"] for p in ("step", "admit", "finish", "idle", "other"))
+    phases = sum(w[f"{p}_s"] for p in WorkerClock.PHASES)
     assert phases == pytest.approx(w["worker_s"], abs=1e-6) and 0 < w["worker_s"] <= out["seconds"] + 1.0
     assert w["step_s"] > 0 and w["admit_s"] > 0 and w["finish_s"] > 0
 
@@ -269,5 +269,5 @@ def test_requests_finishing_on_one_step_share_one_image_decode_and_each_gets_its
     count = {k: after[k] - before[k] for k in ("admissions", "admitted_requests", "finish_batches", "finished_requests")}
     assert count == dict(admissions=1, admitted_requests=4, finish_batches=1, finished_requests=4)
     assert after["steps"] - before["steps"] == 15  # 16 tokens: the first from the prefill
-    phases = sum(after[f"{p}_s"] for p in ("step", "admit", "finish", "idle", "other"))
+    phases = sum(after[f"{p}_s"] for p in WorkerClock.PHASES)
     assert phases == pytest.approx(after["worker_s"], abs=1e-6)

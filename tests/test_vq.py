@@ -228,6 +228,16 @@ def test_bad_inputs_raise_helpful_errors(vq, images):
         VQTokenizer(torch.nn.Linear(2, 2))
 
 
+def test_decode_without_the_range_check_gives_the_same_images(vq):
+    """check_range=False (the engine's own tokens: no wait for the device) skips only the range check."""
+    tok = VQTokenizer(vq)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(tok.decode(ids, (4, 4), check_range=False), tok.decode(ids, (4, 4)))
+    assert torch.equal(vq.decode_indices(ids, (4, 4), check_range=False), vq.decode_indices(ids, (4, 4)))
+    with pytest.raises(ValueError, match="3x5"):  # the other checks stay
+        tok.decode(ids, (3, 5), check_range=False)
+
+
 # --------------------------------------------------------------------------- PIL helpers
 
 

@@ -232,6 +232,10 @@ class Generator:
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
         self.gpt.rope = self.gpt.rope.float()  # the RoPE table stays fp32
         self.tokenizer = tokenizer.to(self.device) if tokenizer is not None and hasattr(tokenizer, "to") else tokenizer
+        tok_vocab = getattr(tokenizer, "vocab_size", None)
+        if tok_vocab is not None and tok_vocab < gpt.config.vocab_size:
+            raise ValueError(f"the tokenizer decodes {tok_vocab} token ids but the GPT samples from {gpt.config.vocab_size}: "
+                             "they do not belong together")
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -360,15 +364,19 @@ class Generator:
         return torch.stack(out, dim=1)
 
     @torch.no_grad()
-    def decode_images(self, tokens: torch.Tensor, chunk: int = 16, host: bool = True) -> torch.Tensor:
+    def decode_images(self, tokens: torch.Tensor, chunk: int = 16, host: bool = True,
+                      check_range: bool = True) -> torch.Tensor:
         """(B, N) tokens -> (B, 3, H, W) fp32 images in [-1, 1] through the tokenizer, ``chunk`` at a time;
-        on the CPU, or on the device when ``host`` is False (then nothing waits for the device)."""
+        on the CPU, or on the device when ``host`` is False. ``check_range=False`` skips the check that
+        the ids are in the tokenizer's range, which waits for the device: for tokens this generator
+        sampled (in range: the tokenizer covers the GPT's vocabulary), so that nothing waits."""
         if self.tokenizer is None:
             raise ValueError("this Generator has no tokenizer: pass tokenizer=... to turn tokens into images")
         grid = (self.config.grid_h, self.config.grid_w)
         parts = []
         for i in range(0, tokens.shape[0], chunk):
-            images = self.tokenizer.decode(tokens[i : i + chunk].to(self.device, non_blocking=True), grid=grid).float()
+            images = self.tokenizer.decode(tokens[i : i + chunk].to(self.device, non_blocking=True), grid=grid,
+                                           check_range=check_range).float()
             parts.append(images.cpu() if host else images)
         return torch.cat(parts)
 

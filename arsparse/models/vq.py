@@ -501,7 +501,7 @@ class VQModel(nn.Module):
         _, idx, _ = self.quantize_images(images)
         return idx
 
-    def decode_indices(self, indices: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    def decode_indices(self, indices: torch.Tensor, grid: tuple[int, int], check_range: bool = True) -> torch.Tensor:
         """Decode code ids back to images.
 
         Parameters
@@ -510,6 +510,8 @@ class VQModel(nn.Module):
             ``(B, N)`` integer ids in ``[0, codebook_size)``.
         grid : tuple of int
             ``(h, w)`` token grid with ``h * w == N``.
+        check_range : bool
+            Raise a clear error for ids out of range (on a GPU this waits for the device).
 
         Returns
         -------
@@ -526,7 +528,7 @@ class VQModel(nn.Module):
         if h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not match indices with N={n}")
         k = self.config.codebook_size
-        if (int(indices.min()) < 0 or int(indices.max()) >= k):
+        if check_range and (int(indices.min()) < 0 or int(indices.max()) >= k):
             raise ValueError(
                 f"token ids must be in [0, {k}), got range [{int(indices.min())}, {int(indices.max())}]"
             )

@@ -63,7 +63,8 @@ def cmd_serve_bench(args) -> int:
                          num_classes=cfg.num_classes, body=body, client_process=not args.client_in_process)
     w = result["worker"]
     print(f"worker over the timed run: {w['steps']} steps, {w['step_ms']:.2f} ms host time per step launch, "
-          f"{w['busy_ms_per_step']:.2f} ms busy per step; seconds: step {w['step_s']:.2f}, admit {w['admit_s']:.2f} "
+          f"{w['busy_ms_per_step']:.2f} ms busy per step; seconds: step {w['step_s']:.2f}, waiting for the device "
+          f"{w['device_s']:.2f}, admit {w['admit_s']:.2f} "
           f"({w['admissions']} prefills, {w['admitted_requests']} requests), finish {w['finish_s']:.2f} "
           f"({w['finish_batches']} batches, {w['finished_requests']} requests), idle {w['idle_s']:.2f}, "
           f"other {w['other_s']:.2f}; {result['retries']} retries after 429, {result['failures']} failures",

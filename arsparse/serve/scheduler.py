@@ -109,14 +109,15 @@ class WorkerClock:
     """Where a worker thread's time goes: its life cut into back-to-back segments, each charged to one phase.
 
     ``step``: launching decode steps (on CUDA the device runs them asynchronously, so this is host
-    time: Python, launches, CUDA graph replays, and any wait for the device); ``admit``: prefilling
+    time: Python, launches, CUDA graph replays); ``device``: waiting for the device to catch up (the
+    worker keeps at most ``Scheduler.max_ahead`` steps queued ahead of it); ``admit``: prefilling
     admitted requests; ``finish``: decoding finished requests to images, queuing their copy to the
     host and answering them; ``idle``: waiting for requests; ``other``: the rest (locks, timeouts,
     bookkeeping). The seconds add up to ``worker_s``, the time accounted so far. Only
     ``time.perf_counter`` is read: no device syncs.
     """
 
-    PHASES = ("step", "admit", "finish", "idle", "other")
+    PHASES = ("step", "device", "admit", "finish", "idle", "other")
     COUNTS = ("steps", "admissions", "admitted_requests", "finish_batches", "finished_requests")
 
     def __init__(self):
@@ -157,6 +158,7 @@ class Scheduler:
 
     mode = ""
     sweep_s = 0.02  # how often the worker looks for requests that timed out or were cancelled
+    max_ahead = 4  # CUDA: decode steps queued ahead of the device, at most
 
     def __init__(self, gen: Generator, slots: int, guidance: bool, row_bytes: int, max_queue: int, name: str):
         self.gen, self.slots, self.guidance, self.max_queue, self.name = gen, slots, guidance, max_queue, name
@@ -168,6 +170,7 @@ class Scheduler:
         self._rate: deque[tuple[float, int]] = deque()  # (time, tokens_total) over the last few seconds
         self._waiting: deque[Job] = deque()
         self._deliveries: deque[_Delivery] = deque()  # finished, copying to the host (worker thread only)
+        self._queued: deque = deque()  # CUDA events recorded after the steps the device may not have run yet
         self._next_sweep = 0.0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -271,6 +274,7 @@ class Scheduler:
                     self.max_running = max(self.max_running, self.running_images())
                     if self._running():
                         self._advance()  # charges step and finish itself
+                        self._pace()
                     if self._deliveries:
                         self._deliver()
                         clock.charge("finish")
@@ -278,6 +282,21 @@ class Scheduler:
                     log.exception("decode failed under policy %s", self.name)
                     self._drop_running(ServeError(500, f"generation failed: {type(e).__name__}: {e}"))
                     clock.charge("other")
+
+    def _pace(self) -> None:
+        """On CUDA, wait while more than ``max_ahead`` steps are queued ahead of the device. Without a
+        bound the worker would run hundreds of steps ahead (each launch takes far less host time than
+        the device takes to run it) until the launch queue is full, and its view of which requests are
+        done would run ahead of the device as far; waiting on an event also leaves the GIL to the HTTP
+        threads, which a launch blocked on a full queue may not."""
+        if self.gen.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._queued.append(event)
+        if len(self._queued) > self.max_ahead:
+            self._queued.popleft().synchronize()
+        self.clock.charge("device")
 
     def _take_fitting(self, free: int, group=None) -> list[Job]:
         """Waiting jobs to start now: in arrival order while they fit in ``free`` slots (and are of ``group``)."""
@@ -304,7 +323,7 @@ class Scheduler:
         try:
             # One batch on a GPU; one image at a time on the CPU, where a batch only spills the caches.
             chunk = 16 if tokens.device.type == "cuda" else 1
-            images = self.gen.decode_images(tokens, chunk=chunk, host=False)  # (sum n, 3, H, W) on the device
+            images = self.gen.decode_images(tokens, chunk=chunk, host=False, check_range=False)  # (sum n, 3, H, W)
             if tokens.device.type == "cuda":
                 tokens, images, ready = _to_host(tokens), _to_host(images), torch.cuda.Event()
                 ready.record()

@@ -9,8 +9,8 @@
 # random weights and a VQ-16 decoder at 384 px (576 tokens, guidance 4), drives it with a closed loop
 # of CONC concurrent clients (in a process of their own) sending REQS requests of one image each
 # after WARMUP untimed ones, and reports requests/s, p50/p99 latency, the largest running batch and
-# where the decode worker's time went (step launches, prefills, image decodes, idle), for dense and
-# diagonal. The queue holds CONC requests, so a steady load gets no 429 (a 429 would be retried
+# where the decode worker's time went (step launches, waiting for the device, prefills, image decodes,
+# idle), for dense and diagonal. The queue holds CONC requests, so a steady load gets no 429 (a 429 would be retried
 # after Retry-After and counted in "retries"); "failures" are requests that never got images, the
 # first few with their status and reason in "failure_details". JSON under $OUT.
 # Knobs (environment): REQS (256), CONC (128), WARMUP (64), MAXB (256: images decoded at once), MODEL
@@ -42,7 +42,7 @@ w = d["worker"]
 print(f"{d['policy']}: {d['requests_per_s']:.2f} req/s, p50 {d['latency_p50_s']:.2f} s, p99 {d['latency_p99_s']:.2f} s, "
       f"max running {d['max_running_images']} of {d['slots']} slots, {d['failures']} failures "
       f"{d['failure_details'][:2]}, {d['retries']} retries; worker per step: {w['busy_ms_per_step']:.2f} ms busy, "
-      f"{w['step_ms']:.2f} ms launching; s: step {w['step_s']:.1f} admit {w['admit_s']:.1f} finish {w['finish_s']:.1f} "
+      f"{w['step_ms']:.2f} ms launching; s: step {w['step_s']:.1f} device {w['device_s']:.1f} admit {w['admit_s']:.1f} finish {w['finish_s']:.1f} "
       f"idle {w['idle_s']:.1f} other {w['other_s']:.1f} of {w['worker_s']:.1f}")
 PY
 done
