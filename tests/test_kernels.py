@@ -237,22 +237,24 @@ def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
         fast.pos.add_(1)
 
 
-@pytest.mark.parametrize("policy,n_kv_head", [(None, 2), ("diagonal", None), ("streaming", 1)])
+@pytest.mark.parametrize("policy,n_kv_head", [(None, 2), ("diagonal", None), ("streaming", 1), ("remainder", 2)])
 def test_row_caches_triton_step_equals_torch_step(policy, n_kv_head):
     """The continuous-batching caches: rows at random positions of their own (the first image
     position, the last, others), a batch narrower than the cache; Triton == PyTorch, output and
-    buffers, over several steps."""
+    buffers (the remainder's running sums too), over several steps."""
     from arsparse import policies
     from arsparse.engine.continuous import make_row_cache
     from conftest import random_gpt
 
     cfg = random_gpt("t2i", image_tokens=36, n_kv_head=n_kv_head).config  # a 5-token prompt
-    pol = policies.get(policy, **dict(diagonal=dict(local=2, rows=2, band=1, sinks=2),
-                                      streaming=dict(sinks=1, recent=4))[policy]) if policy else None
+    args = dict(diagonal=("diagonal", dict(local=2, rows=2, band=1, sinks=2)),
+                streaming=("streaming", dict(sinks=1, recent=4)),
+                remainder=("diagonal", dict(local=2, rows=1, band=1, sinks=2, remainder=True)))
+    pol = policies.get(args[policy][0], **args[policy][1]) if policy else None
     rows, B, P = 6, 5, cfg.cls_token_num
     caches = {k: make_row_cache(pol, cfg, rows, torch.float32, DEVICE, kernel=k) for k in ("torch", "triton")}
     g = torch.Generator().manual_seed(7)
-    state = ["k", "v"] if pol is None else ["pk", "pv", "rk", "rv"]
+    state = ["k", "v"] if pol is None else ["pk", "pv", "rk", "rv"] + (["ksum", "vsum"] if pol.remainder else [])
     for name in state:  # the same random history in both, every entry finite
         buf = torch.randn(getattr(caches["torch"], name).shape, generator=g).to(DEVICE)
         for c in caches.values():
@@ -276,6 +278,9 @@ def test_row_caches_triton_step_equals_torch_step(policy, n_kv_head):
             torch.testing.assert_close(got, want, **TOL)
             pick = (lambda c: [c.k[layer], c.v[layer]]) if pol is None else (lambda c: _ring_buffers(c, layer))
             _same(pick(caches["triton"]), pick(caches["torch"]))
+            if pol is not None and pol.remainder:
+                _same([caches["triton"].ksum[layer], caches["triton"].vsum[layer]],
+                      [caches["torch"].ksum[layer], caches["torch"].vsum[layer]])
         for c in caches.values():  # advance; a row past the end starts a new image
             c.pos.copy_(torch.where(c.pos < last, c.pos + 1, P))
 
@@ -299,7 +304,8 @@ def test_generator_triton_equals_torch(policy):
     assert torch.equal(sampled["triton"], sampled["torch"])
 
 
-@pytest.mark.parametrize("policy", [None, dict(local=2, rows=1, band=1, sinks=1)])
+@pytest.mark.parametrize("policy", [None, dict(local=2, rows=1, band=1, sinks=1),
+                                    dict(local=2, rows=1, band=1, sinks=1, remainder=True)])
 def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
     """The serving engine's slots, each at its own position, through the Triton kernels: every
     request gets the offline PyTorch generator's tokens, whether it joined mid-flight or not."""

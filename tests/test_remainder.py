@@ -1,5 +1,5 @@
 """The mean-field remainder entry of offset policies (``remainder=True``): teacher forcing against a
-direct per-query computation, the ring cache against teacher forcing, and what refuses it."""
+direct per-query computation, the ring cache against teacher forcing, and where it runs."""
 import math
 
 import pytest
@@ -148,9 +148,10 @@ def test_remainder_budget_and_memory_count_the_running_sums():
     assert sizes[1] - sizes[0] == 2 * cfg.n_layer * 3 * cfg.kv_heads * cfg.head_dim * 4  # fp32 K and V sums
 
 
-def test_continuous_batching_refuses_the_remainder():
+def test_continuous_batching_takes_the_remainder():
+    """Row caches keep one set of sums per row (tokens against the offline generator: test_serve_engine)."""
     model = random_gpt("c2i", image_tokens=16)
     pol = policies.get("streaming", recent=4, remainder=True)
-    assert not supports_continuous(pol) and supports_continuous(policies.get("streaming"))
-    with pytest.raises(PolicyError, match="continuous batching"):
-        make_row_cache(pol, model.config, 2, torch.float32, "cpu")
+    assert supports_continuous(pol)
+    cache = make_row_cache(pol, model.config, 3, torch.float32, "cpu")
+    assert cache.remainder and tuple(cache.ksum.shape[1:3]) == (3, model.config.kv_heads)

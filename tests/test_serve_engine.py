@@ -11,7 +11,12 @@ from conftest import random_cond, random_gpt
 OFFSET_POLICIES = {
     "diagonal": dict(local=3, rows=2, band=1, sinks=2),
     "streaming": dict(sinks=2, recent=5),
+    "diagonal+remainder": dict(local=3, rows=2, band=1, sinks=2, remainder=True),  # mean-field entry: per-row sums
 }
+
+
+def _policy(key):
+    return policies.get(key.split("+")[0], **OFFSET_POLICIES[key]) if key else None
 
 
 def _requests(model, count, seed):
@@ -59,10 +64,10 @@ def _serve(dec, reqs, arrivals):
     return results, joined_mid_flight
 
 
-@pytest.mark.parametrize("policy", [None, "diagonal", "streaming"])
+@pytest.mark.parametrize("policy", [None, "diagonal", "streaming", "diagonal+remainder"])
 def test_requests_joining_mid_flight_get_the_offline_tokens(model_type, policy):
     model = random_gpt(model_type, image_tokens=64, seed=2, n_kv_head=2 if policy == "streaming" else None)
-    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    pol = _policy(policy)
     gen = Generator(model, device="cpu", policy=pol)
     dec = SlotDecoder(gen, slots=6, guidance=True)
     reqs = _requests(model, 7, seed=3 + (policy is None))
@@ -77,7 +82,7 @@ def test_requests_joining_mid_flight_get_the_offline_tokens(model_type, policy):
     assert not torch.equal(_offline(gen, other), _offline(gen, dict(other, seed=reqs[0]["seed"])))
 
 
-@pytest.mark.parametrize("policy", [None, "diagonal"])
+@pytest.mark.parametrize("policy", [None, "diagonal", "diagonal+remainder"])
 def test_padded_captions_joining_mid_flight_get_the_offline_tokens(policy):
     """t2i caption masks in continuous batching: each slot's mask is set as its request joins (left,
     right or no padding, mixed in one pool, slots reused), and every request gets exactly the tokens
@@ -85,7 +90,7 @@ def test_padded_captions_joining_mid_flight_get_the_offline_tokens(policy):
     per-row spans, checked against it in tests/test_prompt_mask.py.)"""
     model = random_gpt("t2i", image_tokens=64, seed=12)
     P = model.config.cls_token_num
-    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    pol = _policy(policy)
     gen = Generator(model, device="cpu", policy=pol)
     dec = SlotDecoder(gen, slots=5, guidance=True)
     reqs = _requests(model, 6, seed=21)
@@ -160,10 +165,10 @@ def test_decoder_rejects_misuse():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("policy", [None, "diagonal"])
+@pytest.mark.parametrize("policy", [None, "diagonal", "diagonal+remainder"])
 def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy):
     model = random_gpt("c2i", image_tokens=64, seed=7)
-    pol = policies.get(policy, **OFFSET_POLICIES[policy]) if policy else None
+    pol = _policy(policy)
     gen = Generator(model, device="cuda", dtype="bf16", policy=pol)
     reqs = _requests(model, 6, seed=11)
     arrivals = [0, 1, 2, 20, 21, 50]

@@ -25,6 +25,7 @@ from ..prompt_mask import attention_mask, check_prompt_mask, prompt_span
 from ..policies.base import PolicyError
 from ..policies.caches import RingKVCache, _attend_gathered
 from ..policies.offset import OffsetPolicy
+from ..policies.remainder import remainder_entry
 from .cache import DenseKVCache
 from .generator import bucket
 from .sampling import guide, sample
@@ -33,9 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def supports_continuous(policy) -> bool:
-    """Whether sequences under ``policy`` can join a running batch (dense and offset policies, but not
-    an offset policy's ``remainder``: its running sums assume one shared position)."""
-    return policy is None or policy.kind == "dense" or (isinstance(policy, OffsetPolicy) and not policy.remainder)
+    """Whether sequences under ``policy`` can join a running batch (dense and offset policies)."""
+    return policy is None or policy.kind == "dense" or isinstance(policy, OffsetPolicy)
 
 
 def make_row_cache(policy, cfg: GPTConfig, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
@@ -123,13 +123,13 @@ class RowDenseKVCache(_RowMasks, DenseKVCache):
 
 
 class RowRingKVCache(_RowMasks, RingKVCache):
-    """The ring-buffer cache of offset policies with a position per row (see :class:`RowDenseKVCache`)."""
+    """The ring-buffer cache of offset policies with a position per row (see :class:`RowDenseKVCache`).
+
+    With the policy's ``remainder``, each row's running sums restart at its prefill and take its new
+    token once the row is past the sinks, so a row's remainder entry is the one it has alone.
+    """
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype: torch.dtype, device, kernel: str = "torch"):
-        if policy.remainder:
-            raise PolicyError(f"{policy.name}: remainder=True is not supported by continuous batching (rows "
-                              f"at different positions); run it in fixed batches (Generator) or use "
-                              f"remainder=False")
         super().__init__(cfg, policy, rows, dtype, device, kernel=kernel)
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
@@ -139,12 +139,19 @@ class RowRingKVCache(_RowMasks, RingKVCache):
             T = k.shape[2]
             self.pk[layer, self.prefill_rows, :, :T] = k
             self.pv[layer, self.prefill_rows, :, :T] = v
+            if self.remainder:  # no image keys yet
+                self.ksum[layer, self.prefill_rows] = 0.0
+                self.vsum[layer, self.prefill_rows] = 0.0
             return self._prefill_rows(q, k, v)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
+        i = pos - self.P  # image index of each row's query
+        if self.remainder:  # each row's new token joins its sums once the row is past the sinks
+            past = (i >= self.S).to(torch.float32)[:, None, None]  # (B, 1, 1)
+            self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
+            self.vsum[layer, :B].add_(v[:, :, 0].float() * past)
         if self.kernel == "triton":
             return self._decode_triton(layer, q, k, v, pos)
-        i = pos - self.P  # image index of each row's query
         _scatter_at(self.rk[layer, :B], i % self.W, k)
         _scatter_at(self.rv[layer, :B], i % self.W, v)
         sink_slot = torch.where(i < self.S, i, self.S)  # the last sink slot is scratch
@@ -166,7 +173,13 @@ class RowRingKVCache(_RowMasks, RingKVCache):
         if self.prompt_keep is not None:  # padded caption positions are never read
             prompt = prompt & self.prompt_keep[:B, None, :]
         valid = torch.cat([prompt, sinks, ok], dim=2)
-        return _attend_gathered(q, keys, values, valid)[0]
+        rest = None
+        if self.remainder:
+            n_ring = ring_slot.shape[-1]
+            rest = remainder_entry(self._heads(self.ksum[layer, :B]), self._heads(self.vsum[layer, :B]),
+                                   (i + 1 - self.S).clamp_min(0)[:, None], keys[:, :, -n_ring:], values[:, :, -n_ring:],
+                                   ok)
+        return _attend_gathered(q, keys, values, valid, rest)[0]
 
 
 class SlotDecoder:
