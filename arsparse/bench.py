@@ -70,6 +70,15 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
     return gpt.to(dtype)
 
 
+def _ring_launch() -> dict | None:
+    """The ring kernel's launch settings in effect (None without Triton)."""
+    try:
+        from .kernels.triton import ring
+    except ImportError:
+        return None
+    return dict(ring.LAUNCH)
+
+
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False) -> dict:
@@ -84,8 +93,9 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     from .policies import get, parse_args
 
     device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device, and "
+                         f"{'none is available here' if not torch.cuda.is_available() else f'{device} is not one'}")
     cfg = gpt_config(preset, image_tokens=image_tokens)
     gpt = _random_gpt(cfg, device, dtype)
     bw = copy_bandwidth(device)
@@ -95,7 +105,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, copy_bandwidth_gb_s=bw / 1e9)
+                compile=compile, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch())
 
     def result() -> dict:
         rows = [asdict(r) for r in rows_out]
@@ -216,6 +226,10 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.ring_launch:  # the offset policies' ring kernel, for this run (the launch sweep's candidates)
+        from .kernels.triton import ring
+
+        ring.LAUNCH = ring.parse_launch(args.ring_launch)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile)
@@ -256,6 +270,9 @@ def add_bench_parser(sub) -> None:
                    help="torch.compile the step before capture (slow to build); MODE: "
                         f"{' or '.join(COMPILE_MODES)} (default: default)")
     b.add_argument("--profile", action="store_true", help="also list each row's top GPU kernels per decode step")
+    b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
+                   help="settings of the offset policies' ring kernel for this run (heads_per_program, late_cast, "
+                        "num_warps, num_stages; see docs/bench/kernel-sweep.sh), recorded in the JSON")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

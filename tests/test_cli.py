@@ -1,5 +1,6 @@
 import json
 
+import torch
 from PIL import Image
 
 from arsparse.cli import main
@@ -29,6 +30,11 @@ def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys):
     assert "out of range" in capsys.readouterr().err
     assert main(["generate", "--gpt-ckpt", str(tmp_path / "missing.pt"), "--vq-ckpt", "x.pt", "--out", str(tmp_path)]) == 2
     assert "not found" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--policies", "dense"]) == 2
+        assert "needs a CUDA device, and none is available here" in capsys.readouterr().err
+    assert main(["bench", "--ring-launch", "num_warps=3"]) == 2
+    assert "num_warps=3 is invalid" in capsys.readouterr().err
 
 
 def test_models_and_convert(tmp_path, capsys):

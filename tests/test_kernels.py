@@ -166,6 +166,19 @@ def test_ring_kernel_head_blocks_match_reference(poisoned_empty, launch, B, H, H
     _same([t.cpu() for t in fresh[3:9]], bufs)
 
 
+def test_ring_launch_settings_parse_and_reject_bad_ones():
+    from arsparse.kernels.triton import ring
+
+    got = ring.parse_launch("heads_per_program=4, late_cast=true,num_warps=8")
+    assert got == dict(ring.LAUNCH, heads_per_program=4, late_cast=True, num_warps=8)
+    assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
+    for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
+                      ("num_warps", "KEY=VALUE"), ("late_cast=yes", "1, 0, true or false"),
+                      ("heads_per_program=two", "takes an integer"), ("heads_per_program=0", "an int >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            ring.parse_launch(text)
+
+
 def test_ring_kernel_rejects_bad_input():
     B, H, D = 2, 4, 64
     q, new = torch.randn(B, H, D), torch.randn(B, H, D)

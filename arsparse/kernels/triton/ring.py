@@ -37,6 +37,27 @@ def _settings(given: dict | None, defaults: dict, allowed: set, what: str) -> di
     return merged
 
 
+def parse_launch(text: str) -> dict:
+    """``"heads_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
+    (ints; ``late_cast`` takes 1/0/true/false). For ``arsparse bench --ring-launch``."""
+    given = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"ring launch settings are KEY=VALUE pairs separated by commas, got {item!r}")
+        key, value = key.strip(), value.strip().lower()
+        if key == "late_cast":
+            if value not in ("1", "0", "true", "false"):
+                raise ValueError(f"late_cast takes 1, 0, true or false, got {value!r}")
+            given[key] = value in ("1", "true")
+        else:
+            try:
+                given[key] = int(value)
+            except ValueError:
+                raise ValueError(f"ring launch setting {key} takes an integer, got {value!r}") from None
+    return _settings(given, LAUNCH, LAUNCH_KEYS, "ring launch")
+
+
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
                           grouped: dict | None = None, prompt_span: torch.Tensor | None = None,
