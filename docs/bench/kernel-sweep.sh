@@ -2,7 +2,9 @@
 # Launch-option sweep of the three decode kernels at GPT-XL / 576 tokens / batch 256 with guidance
 # (512 rows, 20 heads, head_dim 64, bf16), mid-generation (query at position 300). On the H200:
 #   bash docs/bench/kernel-sweep.sh [dense,ring,slots]   -> a table of us/call and GB/s (the kernels
-#   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>.json
+#   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>.json;
+#   ring also writes its best setting of the engine's kernel to $OUT/ring_best.txt, for
+#   `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
@@ -95,7 +97,7 @@ def sweep_ring(rows):
     variants = {(x["variant"], x.get("heads_per_program"), x.get("late_cast")) for x in ring_rows}
     extra = [dict(min((x for x in ring_rows if (x["variant"], x.get("heads_per_program"), x.get("late_cast")) == v),
                       key=lambda x: x["us"]), kernel="ring-best") for v in sorted(variants, key=lambda v: (v[0], v[1] or 0, bool(v[2])))]
-    pick = lambda var: min((x for x in ring_rows if x["variant"] == var), key=lambda x: x["us"])
+    pick = lambda var: min((x for x in ring_rows if x["variant"] == var and x["ok"]), key=lambda x: x["us"])
     best_heads = {k: pick("heads")[k] for k in ("heads_per_program", "late_cast", "num_warps")}
     best_grouped = {k: pick("grouped")[k] for k in ("rows", "block_o", "num_warps", "num_stages")}
     p_img = torch.randint(lay.prefix_len, S - 1, (B,), device=dev, generator=g)  # a position per row
@@ -109,6 +111,9 @@ def sweep_ring(rows):
     extra.append(dict(kernel="ring-writes", us=us))
     rows += extra
     report(rows, "ring", engine, extra)
+    flag = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in best_heads.items())
+    open(f"{os.environ['OUT']}/ring_best.txt", "w").write(flag + "\n")
+    print(f"ring: the best setting of the engine's kernel, to time in whole steps: arsparse bench --ring-launch {flag}")
 
 def sweep_slots(rows):
     """83 kept + 1 spare, ~5% free."""
