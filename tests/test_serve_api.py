@@ -343,3 +343,14 @@ def test_arsparse_serve_rejects_a_bad_policy_before_loading(capsys):
 
     assert main(["serve", "--policy", "diagonal", "--policy-arg", "rows=-1"]) == 2
     assert "rows must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_serve_config_is_validated():
+    from arsparse.serve import ServeConfig
+
+    assert ServeConfig(compile=True).compile and not ServeConfig().compile
+    for bad, msg in ((dict(compile="yes"), "compile must be True or False"), (dict(cuda_graphs=1), "cuda_graphs"),
+                     (dict(max_queue=0), "max_queue must be a positive integer"),
+                     (dict(max_images=9, max_batch=8), r"max_images \(9\) must be <= max_batch")):
+        with pytest.raises(ValueError, match=msg):
+            ServeConfig(**bad)

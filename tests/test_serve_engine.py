@@ -165,11 +165,13 @@ def test_decoder_rejects_misuse():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("policy", [None, "diagonal", "diagonal+remainder"])
-def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy):
+@pytest.mark.parametrize("policy,compiled", [(None, False), ("diagonal", False), ("diagonal+remainder", False),
+                                             ("diagonal", True)])
+def test_cuda_graph_steps_equal_eager_steps_on_gpu(policy, compiled):
+    """Steps replayed from CUDA graphs == the same steps run eagerly (compiled: the server's --compile)."""
     model = random_gpt("c2i", image_tokens=64, seed=7)
     pol = _policy(policy)
-    gen = Generator(model, device="cuda", dtype="bf16", policy=pol)
+    gen = Generator(model, device="cuda", dtype="bf16", policy=pol, compile=compiled, compile_dynamic=compiled)
     reqs = _requests(model, 6, seed=11)
     arrivals = [0, 1, 2, 20, 21, 50]
     graphed = SlotDecoder(gen, slots=8, guidance=True, cuda_graphs=True)
@@ -258,3 +260,32 @@ def test_serving_phases_do_not_wait_for_the_gpu():
         phase("finish", lambda: (_to_host(gen.decode_images(tokens, host=False, check_range=False)),
                                 torch.cuda.Event().record()))
     assert not synced, synced
+
+
+def test_blocks_compiled_for_any_batch_size_give_the_offline_tokens():
+    """The server's --compile: the blocks compiled with symbolic batch sizes serve every prefill and
+    step width of continuous batching without a program per shape (a second round of other sizes
+    compiles nothing new), with the offline generator's tokens (greedy, so float reassociation in
+    the compiled code cannot flip a draw)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    model = random_gpt("c2i", image_tokens=16, seed=5)
+    reqs = [dict(r, top_k=1, top_p=1.0) for r in _requests(model, 8, seed=8)]
+    offline = Generator(model, device="cpu")
+    want = [_offline(offline, r) for r in reqs]
+    torch._dynamo.reset()
+    counters.clear()
+    dec = SlotDecoder(Generator(copy.deepcopy(model), device="cpu", compile=True, compile_dynamic=True), slots=6,
+                      guidance=True)
+    widths, step = [], dec.step
+    dec.step = lambda: (widths.append(dec.width()), step())[1]
+    first, _ = _serve(dec, reqs[:4], [0, 0, 3, 6])
+    graphs, seen = counters["stats"]["unique_graphs"], set(widths)
+    second, _ = _serve(dec, reqs[4:], [0, 2, 4, 5])
+    assert set(widths) - seen  # the second round stepped at widths the first did not
+    assert counters["stats"]["unique_graphs"] == graphs > 0  # and compiled nothing for them
+    for i, got in enumerate([first[j] for j in range(4)] + [second[j] for j in range(4)]):
+        assert torch.equal(got, want[i]), f"request {i}"
+    torch._dynamo.reset()

@@ -213,20 +213,23 @@ class Generator:
     cuda_graphs : bool, optional
         Capture the decode step in a CUDA graph per batch bucket (default: on for CUDA).
     kernel : {"torch", "triton"}, optional
-        Decode attention implementation (default: Triton on CUDA when installed; ``torch`` for an
-        offset policy with ``remainder=True``, whose Triton path is not yet verified on a GPU).
+        Decode attention implementation (default: Triton on CUDA when installed).
     compile : bool or str, optional
         ``torch.compile`` the two halves of a transformer block (once, shared by every layer:
         :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
         ``kernel``. Fewer, fused kernels per step: what batch 1 needs (default: off). A string is
         the compile mode of the blocks, one of :data:`COMPILE_MODES` (``True`` is ``"default"``;
         ``"max-autotune-no-cudagraphs"`` also tries Triton matmuls with the element-wise work fused in).
+    compile_dynamic : bool, optional
+        Compile the blocks for any number of rows (symbolic batch sizes) rather than one program
+        per shape: for continuous batching, whose steps and prefills come in many sizes (the
+        server's ``--compile``). The fixed-batch engine keeps static shapes (default: off).
     policy : str or Policy, optional
         Sparse-attention policy (see ``arsparse policies``); default dense.
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
-                 kernel: str | None = None, compile: bool | str = False, policy=None):
+                 kernel: str | None = None, compile: bool | str = False, policy=None, compile_dynamic: bool = False):
         self.device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -245,7 +248,7 @@ class Generator:
                              f"(or True / False)")
         self.compile = mode is not None
         if self.compile:
-            self.gpt.fuse(partial(torch.compile, dynamic=False, fullgraph=True, mode=mode))
+            self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
         else:
             self.gpt.unfuse()
         from ..policies import resolve

@@ -16,7 +16,8 @@ class ServeConfig:
     asks for another (at most ``max_timeout_s``). ``max_policies``: policies (name + parameters)
     with a live slot pool at once; an idle one is closed to make room for a new one.
     ``cuda_graphs``: replay continuous-batching steps from CUDA graphs (CUDA only; one per step
-    shape, captured on first use).
+    shape, captured on first use). ``compile``: ``torch.compile`` the transformer blocks for any
+    batch size (one compile serves every step width and prefill; slow to build at the first requests).
     """
 
     max_batch: int = 32
@@ -27,6 +28,7 @@ class ServeConfig:
     max_timeout_s: float = 600.0
     max_policies: int = 2
     cuda_graphs: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_images", "max_policies"):
@@ -37,6 +39,9 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"ServeConfig: {name} must be a positive number of seconds, got {v!r}")
+        for name in ("cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ServeConfig: {name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"ServeConfig: kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
         if self.timeout_s > self.max_timeout_s:

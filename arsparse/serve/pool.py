@@ -94,7 +94,7 @@ class SchedulerPool:
 
     def _create(self, policy) -> Scheduler:
         gen = Generator(self.gpt, self.tokenizer, device=self.device, dtype=self.dtype, cuda_graphs=False,
-                        policy=policy)
+                        policy=policy, compile=self.config.compile, compile_dynamic=True)
         cfg = gen.config
         guidance = cfg.model_type == "t2i" or cfg.has_null_class
         name = policy_label(policy)
