@@ -72,15 +72,20 @@ def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
-def block_in(x, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
-    """First half of a block: RMSNorm, QKV, RoPE -> q, k, v."""
-    return qkv_rope(rms_norm(x, norm_w, eps), wqkv, rope, n_head, n_kv)
+def block_in(x, f, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
+    """First half of a block: the residual stream x + f (f: the previous block's feed-forward output,
+    None for the first block), RMSNorm, QKV, RoPE -> x + f, q, k, v. Adding f here puts the
+    previous block's last residual add in this RMSNorm's kernel once compiled."""
+    if f is not None:
+        x = x + f
+    return (x, *qkv_rope(rms_norm(x, norm_w, eps), wqkv, rope, n_head, n_kv))
 
 
 def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
-    """Second half: x + wo(attn) -> h; h + SwiGLU(RMSNorm(h)). attn (B, T, H*D)."""
+    """Second half: h = x + wo(attn) -> (h, SwiGLU(RMSNorm(h))); the block's output is their sum,
+    which the next block_in (or the final norm) adds. attn (B, T, H*D)."""
     h = x + F.linear(attn, wo)
-    return h + swiglu(rms_norm(h, norm_w, eps), w1, w3, w2)
+    return h, swiglu(rms_norm(h, norm_w, eps), w1, w3, w2)
 
 
 def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -186,18 +191,22 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.drop_path_p = drop_path_p
 
-    def forward(self, x, rope, layer, backend, fused=None):
-        if fused is None:
-            p = self.drop_path_p if self.training else 0.0
-            a = self.attention(self.attention_norm(x), rope, layer, backend)
-            h = x + (drop_path(a, p) if p else a)
-            f = self.feed_forward(self.ffn_norm(h))
-            return h + (drop_path(f, p) if p else f)
-        first, second = fused  # block_in / block_out, possibly compiled
-        a, f = self.attention, self.feed_forward
-        q, k, v = first(x, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv, self.attention_norm.eps)
+    def forward(self, x, rope, layer, backend):
+        p = self.drop_path_p if self.training else 0.0
+        a = self.attention(self.attention_norm(x), rope, layer, backend)
+        h = x + (drop_path(a, p) if p else a)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (drop_path(f, p) if p else f)
+
+    def forward_fused(self, x, f, rope, layer, backend, fused):
+        """The block through ``fused`` = (block_in, block_out), possibly compiled: x, f (the previous
+        block's output as the pair whose sum it is; f None for the first block) -> this block's pair."""
+        first, second = fused
+        a, ff = self.attention, self.feed_forward
+        x, q, k, v = first(x, f, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv,
+                           self.attention_norm.eps)
         return second(x, a.attend(q, k, v, layer, backend), a.wo.weight, self.ffn_norm.weight,
-                      f.w1.weight, f.w3.weight, f.w2.weight, self.ffn_norm.eps)
+                      ff.w1.weight, ff.w3.weight, ff.w2.weight, self.ffn_norm.eps)
 
 
 class GPT(nn.Module):
@@ -283,9 +292,14 @@ class GPT(nn.Module):
             rope = self.rope.index_select(0, positions)  # (T, D/2, 2)
         else:
             rope = self.rope[positions]  # (B, T, D/2, 2)
+        if self.fused is None:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, i, backend)
+            return self.norm(h)
+        f = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, i, backend, self.fused)
-        return self.norm(h)
+            h, f = layer.forward_fused(h, f, rope, i, backend, self.fused)
+        return self.norm(h + f)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(h).float()
