@@ -402,20 +402,18 @@ class ContinuousScheduler(Scheduler):
         self.decoder = SlotDecoder(gen, slots, guidance, cuda_graphs=cuda_graphs)
         self._jobs: dict[Job, list[int]] = {}  # running job -> its slots
         self._owner: dict[int, Job] = {}  # busy slot -> its job
-        self._images = 0  # images of the running jobs
         super().__init__(gen, slots, guidance, row_bytes, max_queue, name)
 
     def _running(self) -> bool:
         return bool(self._jobs)
 
     def running_images(self) -> int:
-        return self._images
+        return self.decoder.busy()  # a running job's images hold one slot each
 
     def _release(self, job: Job) -> None:
         slots = self._jobs.pop(job)
         for s in slots:
             del self._owner[s]
-        self._images -= len(slots)
         self.decoder.release(slots)
 
     def _reap(self, now: float) -> None:
@@ -436,7 +434,6 @@ class ContinuousScheduler(Scheduler):
             self._jobs[job], free = free[: job.n], free[job.n :]
             for s in self._jobs[job]:
                 self._owner[s] = job
-            self._images += job.n
             slots += self._jobs[job]
             job.started = start
         rows = {k: [v for job in jobs for v in job.rows[k]] for k in jobs[0].rows}
