@@ -271,7 +271,7 @@ def add_bench_parser(sub) -> None:
                         f"{' or '.join(COMPILE_MODES)} (default: default)")
     b.add_argument("--profile", action="store_true", help="also list each row's top GPU kernels per decode step")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
-                   help="settings of the offset policies' ring kernel for this run (heads_per_program, late_cast, "
+                   help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
                         "num_warps, num_stages; see docs/bench/kernel-sweep.sh), recorded in the JSON")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")

@@ -114,13 +114,10 @@ def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, 
     _same(inputs[3:5], [want_k, want_v])
 
 
-RING_VARIANTS = {  # ring_decode_attention's settings: the engine's, the grouped candidate, blocks of query heads
-    "heads": {},
-    "grouped-r1": dict(grouped=dict(rows=1, block_o=16, num_warps=2)),
-    "grouped-r4": dict(grouped=dict(rows=4, block_o=32, num_warps=4, num_stages=2)),
-    "hb4-late": dict(launch=dict(heads_per_program=4, late_cast=True, num_warps=4)),
-    "hb5": dict(launch=dict(heads_per_program=5, num_warps=4)),
-    "hb10-late": dict(launch=dict(heads_per_program=10, late_cast=True, num_warps=8)),
+RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, blocks of rows, cache-dtype tiles
+    "engine": None,
+    "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),
+    "rows8": dict(rows_per_program=8, num_warps=4, num_stages=3),
 }
 
 
@@ -128,8 +125,7 @@ RING_VARIANTS = {  # ring_decode_attention's settings: the engine's, the grouped
 @pytest.mark.parametrize("H,Hkv,D", [(20, 20, 64), (32, 8, 100), (16, 2, 128)])
 def test_fused_ring_kernel_matches_reference_bf16_on_gpu(variant, H, Hkv, D):
     """diagonal's default read set on the 24x24 grid, a position per row from the first image
-    position to the last, then one position for every row (head blocks: part-blocks, blocks
-    spanning kv heads)."""
+    position to the last, then one position for every row (row blocks: a part-block of 24 rows)."""
     from arsparse.kernels.triton import ring_decode_attention
     from arsparse.layout import Layout
     from arsparse.policies import get
@@ -143,7 +139,7 @@ def test_fused_ring_kernel_matches_reference_bf16_on_gpu(variant, H, Hkv, D):
     for p in (pos, pos[3]):
         inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.bfloat16,
                                                       int(p.sum()), "cuda")
-        got = ring_decode_attention(*inputs, S, **RING_VARIANTS[variant])
+        got = ring_decode_attention(*inputs, S, launch=RING_VARIANTS[variant])
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
         _same(inputs[3:9], want_bufs)
 
@@ -177,14 +173,14 @@ def test_triton_engine_equals_torch_engine_on_gpu(policy):
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 5e-2)])
 def test_remainder_triton_engine_equals_torch_engine_on_gpu(dtype, tol):
     """diagonal:remainder=1 through the Triton ring kernel (rest_sums): logits == the PyTorch path and
-    == teacher forcing; CUDA-graph tokens == eager tokens; the Generator's default kernel is torch."""
+    == teacher forcing; CUDA-graph tokens == eager tokens; the Generator's default kernel is Triton."""
     import arsparse.policies as policies
 
     pol = policies.get("diagonal", local=3, rows=2, band=1, sinks=2, remainder=True)
     model = random_gpt("c2i", seed=14, image_tokens=64, n_kv_head=2)
     cond = random_cond(model, 4)
     tokens = torch.randint(0, model.config.vocab_size, (4, 64))
-    assert Generator(model, device="cuda", dtype=dtype, policy=pol).kernel == "torch"
+    assert Generator(model, device="cuda", dtype=dtype, policy=pol).kernel == "triton"
     gens = {k: Generator(model, device="cuda", dtype=dtype, kernel=k, policy=pol, cuda_graphs=False)
             for k in ("torch", "triton")}
     logits = {k: gen.cached_logits(cond, tokens).float() for k, gen in gens.items()}
@@ -234,9 +230,9 @@ def test_masked_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, spli
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("variant", ["heads", "grouped-r4", "hb5", "hb10-late"])
+@pytest.mark.parametrize("variant", list(RING_VARIANTS))
 def test_masked_ring_kernel_matches_reference_bf16_on_gpu(variant):
-    """A t2i prompt with caption padding (NaN), GQA, head_dim 100; the remainder entry too (not grouped)."""
+    """A t2i prompt with caption padding (NaN), GQA, head_dim 100, the remainder entry."""
     from arsparse.kernels.reference import ring_decode_attention_ref
     from arsparse.kernels.triton import ring_decode_attention
     from arsparse.layout import Layout
@@ -253,12 +249,11 @@ def test_masked_ring_kernel_matches_reference_bf16_on_gpu(variant):
     inputs, _ = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, torch.bfloat16, 9)
     for t in inputs[3:5]:
         _poison_prompt(t, span, P)
-    kw = RING_VARIANTS[variant]
-    sums = None if "grouped" in kw else [torch.randn(B, Hkv, D, generator=g).mul_(5) for _ in range(2)]
+    sums = [torch.randn(B, Hkv, D, generator=g).mul_(5) for _ in range(2)]
     want = ring_decode_attention_ref(*inputs[:3], *[t.clone() for t in inputs[3:9]], offsets, pos, S, prompt_span=span,
                                      rest_sums=sums)
-    got = ring_decode_attention(*(t.cuda() for t in inputs), S, prompt_span=span.cuda(), **kw,
-                                rest_sums=None if sums is None else [t.cuda() for t in sums])
+    got = ring_decode_attention(*(t.cuda() for t in inputs), S, prompt_span=span.cuda(), launch=RING_VARIANTS[variant],
+                                rest_sums=[t.cuda() for t in sums])
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
 

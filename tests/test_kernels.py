@@ -75,16 +75,13 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-GROUPED = [None, dict(rows=1, block_o=4), dict(rows=3, block_o=8, num_warps=1)]
-
-
-@pytest.mark.parametrize("grouped", GROUPED, ids=["heads", "grouped-r1", "grouped-r3"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True)], ids=["engine", "rows2-late"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
     (3, 8, 1, 1, 0, 7, 128),  # MQA, no sinks, head_dim 128
 ])
-def test_ring_kernel_writes_and_matches_reference(poisoned_empty, grouped, B, H, Hkv, P, S, W, D):
+def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     g = torch.Generator().manual_seed(B * 1000 + W * 10 + D)
     offsets = random_offsets(g, H, 6, W)
     # one position per row: the first image position, the last sink, random, far past the window
@@ -92,7 +89,7 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, grouped, B, H,
     for p in (pos, pos[2]):  # per row, then one position for every row
         inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.float32,
                                                       int(p.sum()), DEVICE)
-        got = ring_decode_attention(*inputs, S, grouped=grouped)
+        got = ring_decode_attention(*inputs, S, launch=launch)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.cpu(), want, **TOL)
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
@@ -119,24 +116,23 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv
     if S:  # rows 0 and 1 (the first image position, the last sink) read every image key so far
         assert (want[:2] - plain[:2]).abs().max() < 1e-6
     assert (want[2] - plain[2]).abs().max() > 1e-2  # row 2, far past the window, has a remainder
-    with pytest.raises(ValueError, match="default kernel only"):
-        ring_decode_attention(*inputs, S, rest_sums=sums, grouped=dict(rows=1))
     with pytest.raises(ValueError, match="rest_sums' k_sum must be fp32"):
         ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
 
 
-HEAD_BLOCKS = [dict(heads_per_program=1, late_cast=True), dict(heads_per_program=3, num_warps=4),
-               dict(heads_per_program=4, late_cast=True), dict(heads_per_program=5, late_cast=True, num_warps=1)]
+ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
+              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4)]
 
 
-@pytest.mark.parametrize("launch", HEAD_BLOCKS, ids=["hb1-late", "hb3", "hb4-late", "hb5-late"])
+@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
     (3, 6, 3, 3, 0, 7, 100, torch.bfloat16),  # GQA 2, no sinks, head_dim 100 (a masked tail)
 ])
-def test_ring_kernel_head_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
-    """launch=: blocks of query heads per program and cache-dtype tiles, a position per row; then
+def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
+    """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows) and cache-dtype
+    tiles, a position per row; then
     with a caption span (the padded prompt NaN) and the remainder entry. Output and written buffers
     == the reference's."""
     g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
@@ -169,12 +165,12 @@ def test_ring_kernel_head_blocks_match_reference(poisoned_empty, launch, B, H, H
 def test_ring_launch_settings_parse_and_reject_bad_ones():
     from arsparse.kernels.triton import ring
 
-    got = ring.parse_launch("heads_per_program=4, late_cast=true,num_warps=8")
-    assert got == dict(ring.LAUNCH, heads_per_program=4, late_cast=True, num_warps=8)
+    got = ring.parse_launch("rows_per_program=4, late_cast=true,num_warps=8")
+    assert got == dict(ring.LAUNCH, rows_per_program=4, late_cast=True, num_warps=8)
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
                       ("num_warps", "KEY=VALUE"), ("late_cast=yes", "1, 0, true or false"),
-                      ("heads_per_program=two", "takes an integer"), ("heads_per_program=0", "an int >= 1")):
+                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
 
@@ -192,19 +188,15 @@ def test_ring_kernel_rejects_bad_input():
         ring_decode_attention(q, new, new.double(), pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2)
     with pytest.raises(ValueError, match="prompt and the ring need at least one position"):
         ring_decode_attention(q, new, new, pk[:, :, :0], pk[:, :, :0], sk, sk, rk, rk, offs, torch.tensor(3), 2)
-    with pytest.raises(ValueError, match="unknown grouped settings"):
-        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, grouped=dict(row=2))
     with pytest.raises(ValueError, match=r"unknown launch settings \['heads'\]"):
         ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch=dict(heads=2))
-    with pytest.raises(ValueError, match="heads_per_program=0 is invalid: must be an int >= 1"):
+    with pytest.raises(ValueError, match="rows_per_program=0 is invalid: must be an int >= 1"):
         ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2,
-                              launch=dict(heads_per_program=0))
+                              launch=dict(rows_per_program=0))
     with pytest.raises(ValueError, match="late_cast=1 is invalid: must be a bool"):
         ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch=dict(late_cast=1))
     with pytest.raises(ValueError, match="num_warps=3 is invalid"):
-        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, grouped=dict(num_warps=3))
-    with pytest.raises(ValueError, match="give one of them"):
-        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch={}, grouped={})
+        ring_decode_attention(q, new, new, pk, pk, sk, sk, rk, rk, offs, torch.tensor(3), 2, launch=dict(num_warps=3))
 
 
 # ---- the caches and the engine through the kernels --------------------------------------------

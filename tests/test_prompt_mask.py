@@ -211,8 +211,8 @@ def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, B, H, Hkv, S
     torch.testing.assert_close(vc, want_v, atol=0, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("grouped", [None, dict(rows=2, block_o=4)], ids=["heads", "grouped"])
-def test_ring_kernel_skips_padded_prompt_positions(poisoned_empty, grouped):
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=3)], ids=["engine", "rows3"])
+def test_ring_kernel_skips_padded_prompt_positions(poisoned_empty, launch):
     B, H, Hkv, P_, S, W, D = 4, 4, 2, 9, 2, 8, 64
     g = torch.Generator().manual_seed(21)
     offsets = random_offsets(g, H, 5, W)
@@ -227,7 +227,7 @@ def test_ring_kernel_skips_padded_prompt_positions(poisoned_empty, grouped):
         want_bufs = [t.clone() for t in inputs[3:9]]
         want = ring_decode_attention_ref(*inputs[:3], *want_bufs, offsets, p, S, prompt_span=span)
         assert torch.isfinite(want).all()
-        got = ring_decode_attention(*inputs, S, grouped=grouped, prompt_span=span)
+        got = ring_decode_attention(*inputs, S, launch=launch, prompt_span=span)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, **KTOL)
         for t, w in zip(inputs[3:9], want_bufs):

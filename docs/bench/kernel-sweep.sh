@@ -8,12 +8,12 @@
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
-# compare the engine's kernel ("heads": one program per (row, heads_per_program query heads), by
-# heads_per_program / late_cast (K/V tiles in bf16 until the products) / num_warps; "ring-best":
-# the fastest of each heads_per_program x late_cast) with the candidate ("grouped": one program per
-# (rows, kv head), the ring read in chunks of block_o offsets, by rows / block_o / num_warps);
-# "rows" variants give each row its own position (continuous batching): the engine's setting, the
-# fastest "heads" setting and the fastest "grouped" one.
+# time the ring kernel (2-D tiles of one head, rows_per_program rows per program in a loop
+# pipelined num_stages deep) by rows_per_program, late_cast (K/V tiles in bf16 until the products),
+# num_warps and num_stages; "ring-best": the fastest of each rows_per_program x late_cast;
+# "ring-rows" gives each row its own position (continuous batching): the engine's setting and the
+# fastest one. (Run 6 also timed two other forms, since removed: 3-D tiles of a block of heads per
+# program, and one program per (rows, kv head) reading the ring in chunks; both were slower.)
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
@@ -70,8 +70,8 @@ def sweep_dense(rows):
     report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1]), extra)
 
 def sweep_ring(rows):
-    """diagonal's default read set on the 24x24 grid: the engine's kernel by heads per program,
-    late_cast and num_warps (its current setting: 1 head, no late cast, 2 warps), then the candidate."""
+    """diagonal's default read set on the 24x24 grid: the kernel by rows per program, late_cast,
+    num_warps and num_stages."""
     lay, pol = Layout(1, 24, 24), get("diagonal")
     offs = pol.offset_table(lay, 1, H)[0].to(dev)
     Wn, Sn = pol.window(lay, 1, H), pol.sink_count(lay)
@@ -79,29 +79,25 @@ def sweep_ring(rows):
     nread = 1 + Sn + int((offs >= 0).sum(1).float().mean())
     nbytes = B * H * nread * D * 2 * 2
     args = lambda pp: (q, k_new, v_new, *bufs, offs, pp, Sn)
-    engine = dict(variant="heads", **ring.LAUNCH)
-    heads = [(1, nw) for nw in (1, 2, 4, 8)] + [(hb, nw) for hb in (2, 4, 5, 10) for nw in (2, 4, 8)]
+    engine = dict(ring.LAUNCH)
     want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
-    for (hb, nw), late in itertools.product(heads, (False, True)):
-        launch = dict(heads_per_program=hb, late_cast=late, num_warps=nw)
+    settings = [dict(rows_per_program=1, num_warps=nw, num_stages=3) for nw in (1, 2, 4)]
+    settings += [dict(rows_per_program=rw, num_warps=nw, num_stages=ns)
+                 for rw, nw, ns in itertools.product((2, 4, 8), (1, 2, 4), (1, 3))]
+    for setting, late in itertools.product(settings, (False, True)):
+        launch = dict(setting, late_cast=late)
         us = timeit(lambda: ring_decode_attention(*args(p), launch=launch))
         ok = agrees(ring_decode_attention(*args(p), launch=launch))
-        rows.append(dict(kernel="ring", variant="heads", **launch, us=us, gb_s=nbytes / us / 1e3, read=nread, ok=ok))
-    for rw, bo, nw in itertools.product((1, 4), (16, 32), (2, 4)):
-        cand = dict(rows=rw, block_o=bo, num_warps=nw, num_stages=2)
-        us = timeit(lambda: ring_decode_attention(*args(p), grouped=cand))
-        ok = agrees(ring_decode_attention(*args(p), grouped=cand))
-        rows.append(dict(kernel="ring", variant="grouped", **cand, us=us, gb_s=nbytes / us / 1e3, ok=ok))
+        rows.append(dict(kernel="ring", **launch, us=us, gb_s=nbytes / us / 1e3, read=nread, ok=ok))
     ring_rows = [x for x in rows if x["kernel"] == "ring"]
-    variants = {(x["variant"], x.get("heads_per_program"), x.get("late_cast")) for x in ring_rows}
-    extra = [dict(min((x for x in ring_rows if (x["variant"], x.get("heads_per_program"), x.get("late_cast")) == v),
-                      key=lambda x: x["us"]), kernel="ring-best") for v in sorted(variants, key=lambda v: (v[0], v[1] or 0, bool(v[2])))]
-    pick = lambda var: min((x for x in ring_rows if x["variant"] == var and x["ok"]), key=lambda x: x["us"])
-    best_heads = {k: pick("heads")[k] for k in ("heads_per_program", "late_cast", "num_warps")}
-    best_grouped = {k: pick("grouped")[k] for k in ("rows", "block_o", "num_warps", "num_stages")}
+    key = lambda x: (x["rows_per_program"], x["late_cast"])
+    extra = [dict(min((x for x in ring_rows if key(x) == v), key=lambda x: x["us"]), kernel="ring-best")
+             for v in sorted({key(x) for x in ring_rows})]
+    best = min((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])
+    best = {k: best[k] for k in ring.LAUNCH_KEYS}
     p_img = torch.randint(lay.prefix_len, S - 1, (B,), device=dev, generator=g)  # a position per row
-    for name, kw in (("engine", {}), ("best-heads", dict(launch=best_heads)), ("grouped", dict(grouped=best_grouped))):
+    for name, kw in (("engine", {}), ("best", dict(launch=best))):
         us = timeit(lambda: ring_decode_attention(*args(p_img), **kw))
         extra.append(dict(kernel="ring-rows", variant=name, **kw, us=us, gb_s=nbytes / us / 1e3))
     i = pos - 1
@@ -110,8 +106,8 @@ def sweep_ring(rows):
     us = timeit(lambda: [t.index_copy_(2, idx, x[:, :, None]) for t, idx, x in writes])
     extra.append(dict(kernel="ring-writes", us=us))
     rows += extra
-    report(rows, "ring", engine, extra)
-    flag = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in best_heads.items())
+    report(rows, "ring", dict(engine, num_stages=3), extra)
+    flag = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(best.items()))
     open(f"{os.environ['OUT']}/ring_best.txt", "w").write(flag + "\n")
     print(f"ring: the best setting of the engine's kernel, to time in whole steps: arsparse bench --ring-launch {flag}")
 

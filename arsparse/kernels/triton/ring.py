@@ -4,32 +4,29 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._ring import ring_decode_grouped_kernel, ring_decode_kernel
+from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_prompt_span, position_stride
 
-#: Settings of the engine's kernel (chosen by a sweep on an H200, see BENCHMARKS.md): query heads of one
-#: row per program, K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
-LAUNCH = dict(heads_per_program=1, late_cast=False, num_warps=2)
-#: Settings ``launch=`` may override (the engine's kernel) and those of the candidate kernel (``grouped=``).
-LAUNCH_KEYS = {"heads_per_program", "late_cast", "num_warps", "num_stages"}
-GROUPED_KEYS = {"rows", "block_o", "late_cast", "num_warps", "num_stages"}
+#: Settings of the kernel (chosen by a sweep on an H200, BENCHMARKS.md run 6): rows of one query head
+#: per program, K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
+LAUNCH = dict(rows_per_program=1, late_cast=False, num_warps=1)
+#: Settings ``launch=`` may override.
+LAUNCH_KEYS = {"rows_per_program", "late_cast", "num_warps", "num_stages"}
 _VALID = dict(  # setting -> (check, what is allowed)
-    heads_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    rows=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    block_o=(lambda v: type(v) is int and v >= 1 and v & (v - 1) == 0, "a power of 2"),
+    rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
     late_cast=(lambda v: isinstance(v, bool), "a bool"),
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
 
 
-def _settings(given: dict | None, defaults: dict, allowed: set, what: str) -> dict:
-    """``defaults`` overridden by ``given``: every key of ``given`` in ``allowed``, every value valid."""
+def _settings(given: dict | None, what: str) -> dict:
+    """:data:`LAUNCH` overridden by ``given``: every key of ``given`` in :data:`LAUNCH_KEYS`, every value valid."""
     given = {} if given is None else given
-    unknown = set(given) - allowed
+    unknown = set(given) - LAUNCH_KEYS
     if unknown:
-        raise ValueError(f"unknown {what} settings {sorted(unknown)}; allowed: {sorted(allowed)}")
-    merged = {**defaults, **given}
+        raise ValueError(f"unknown {what} settings {sorted(unknown)}; allowed: {sorted(LAUNCH_KEYS)}")
+    merged = {**LAUNCH, **given}
     for k, v in merged.items():
         check, allowed_values = _VALID[k]
         if not check(v):
@@ -38,7 +35,7 @@ def _settings(given: dict | None, defaults: dict, allowed: set, what: str) -> di
 
 
 def parse_launch(text: str) -> dict:
-    """``"heads_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
+    """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
     (ints; ``late_cast`` takes 1/0/true/false). For ``arsparse bench --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -55,12 +52,12 @@ def parse_launch(text: str) -> dict:
                 given[key] = int(value)
             except ValueError:
                 raise ValueError(f"ring launch setting {key} takes an integer, got {value!r}") from None
-    return _settings(given, LAUNCH, LAUNCH_KEYS, "ring launch")
+    return _settings(given, "ring launch")
 
 
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
-                          grouped: dict | None = None, prompt_span: torch.Tensor | None = None,
+                          prompt_span: torch.Tensor | None = None,
                           rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
@@ -78,18 +75,15 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_k, ring_v : (B, Hkv, W, D) ring buffer: position p lives in slot (p - P) % W
     offsets : (H, n) int64 backward offsets of each head, -1 for padding
     pos : integer tensor, the query's position (>= P): one for every row, or (B,) one per row
-    launch : overrides of :data:`LAUNCH`, the settings of the engine's kernel (for the launch sweep):
-        ``heads_per_program`` query heads of one row per program (they may span kv heads),
-        ``late_cast`` (K/V tiles in the cache's dtype until the products), ``num_warps``, ``num_stages``
-    grouped : the candidate kernel's settings (``rows``, ``block_o``, ``late_cast``, ``num_warps``,
-        ``num_stages``): one program per (rows, kv head), the ring read in chunks (for the launch
-        sweep; the engine runs the default kernel). Not with ``launch``.
+    launch : overrides of :data:`LAUNCH` (for the launch sweep): ``rows_per_program`` rows of one query
+        head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
+        the cache's dtype until the products), ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
         and V over the image positions past the sinks up to ``pos``, *the new token included* (the
         caller adds it before the launch; the kernel only reads them). Each head then also attends to
-        the mean-field remainder entry of :mod:`arsparse.policies.remainder`. Not with ``grouped``.
+        the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -118,11 +112,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     spos = position_stride(pos, B, q.device)
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)
-    if grouped is not None and launch is not None:
-        raise ValueError("launch= sets the default kernel, grouped= the candidate: give one of them")
     if rest_sums is not None:
-        if grouped is not None:
-            raise ValueError("rest_sums (the remainder entry) runs on the default kernel only, not grouped=")
         for name, t in zip(("k_sum", "v_sum"), rest_sums):
             if tuple(t.shape) != (B, Hkv, D) or t.dtype != torch.float32 or t.stride(-1) != 1:
                 raise ValueError(f"rest_sums' {name} must be fp32 (B={B}, Hkv={Hkv}, D={D}) with a unit last "
@@ -141,18 +131,9 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     blocks = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
                   BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
-    if grouped is None:
-        cfg = dict(LAUNCH) if launch is None else _settings(launch, LAUNCH, LAUNCH_KEYS, "launch")
-        hb = cfg.pop("heads_per_program")
-        ring_decode_kernel[(B, triton.cdiv(H, hb))](
-            *args, H, P, n_sinks, W, n_off, scale, D, G=H // Hkv, HB=hb, BLOCK_H=triton.next_power_of_2(hb),
-            BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None,
-            LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
-    else:
-        cfg = _settings(grouped, dict(rows=1, block_o=16, late_cast=False), GROUPED_KEYS, "grouped")
-        rows = cfg.pop("rows")
-        block_o = min(cfg.pop("block_o"), triton.next_power_of_2(max(n_off, 1)))
-        ring_decode_grouped_kernel[(triton.cdiv(B, rows), Hkv)](
-            *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=block_o,
-            LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
+    cfg = _settings(launch, "launch")  # (checked before any work is queued)
+    rows = cfg.pop("rows_per_program")
+    ring_decode_kernel[(triton.cdiv(B, rows), H)](
+        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
+        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
     return out
