@@ -1,4 +1,6 @@
 """Continuous batching in the engine: slots at their own positions give exactly the offline tokens."""
+import traceback
+
 import pytest
 import torch
 
@@ -244,8 +246,10 @@ def test_serving_phases_do_not_wait_for_the_gpu():
         torch.cuda.set_sync_debug_mode("error")
         try:
             return fn()
-        except RuntimeError as e:
-            synced.append(f"{name}: {e}")
+        except RuntimeError as e:  # where, in arsparse: the innermost frames of ours
+            where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.line}"
+                     for f in traceback.extract_tb(e.__traceback__) if "/arsparse/" in f.filename]
+            synced.append(f"{name}: {e} at {where[-2:]}")
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
@@ -254,6 +258,7 @@ def test_serving_phases_do_not_wait_for_the_gpu():
         phase("admit", lambda: dec.admit([0, 2], torch.tensor([1, 3]), row_keys(5, 2), sampling_rows(2, 2.0, top_k=5)))
         for _ in range(15):
             phase("step", dec.step)
+        assert not synced, synced
         assert dec.done() == [0, 2]
         tokens = phase("tokens", lambda: dec.tokens([0, 2]))
         phase("release", lambda: dec.release([0, 2]))

@@ -140,8 +140,8 @@ class RowRingKVCache(_RowMasks, RingKVCache):
             self.pk[layer, self.prefill_rows, :, :T] = k
             self.pv[layer, self.prefill_rows, :, :T] = v
             if self.remainder:  # no image keys yet
-                self.ksum[layer, self.prefill_rows] = 0.0
-                self.vsum[layer, self.prefill_rows] = 0.0
+                self.ksum[layer].index_fill_(0, self.prefill_rows, 0.0)  # (a scalar put is a host copy)
+                self.vsum[layer].index_fill_(0, self.prefill_rows, 0.0)
             return self._prefill_rows(q, k, v)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
@@ -276,9 +276,9 @@ class SlotDecoder:
         if not slots:
             return
         idx = to_device(slots, self.out.device)
-        self.step_idx[idx] = self.N
-        self.top_p[idx] = float("inf")
-        self.top_k[idx] = 0
+        self.step_idx.index_fill_(0, idx, self.N)  # (fills: a scalar put copies a host tensor, a sync)
+        self.top_p.index_fill_(0, idx, float("inf"))
+        self.top_k.index_fill_(0, idx, 0)
         for s in slots:
             born = self._born[s]
             if born is not None:
@@ -346,7 +346,7 @@ class SlotDecoder:
         self.cfg_scale[idx] = to_device(rows["cfg_scale"], dev, torch.float32)
         self.cfg_on[idx] = to_device([c != 1.0 for c in rows["cfg_scale"]], dev, torch.bool)
         self.cfg_interval[idx] = to_device(rows["cfg_interval"], dev, torch.long)
-        self.step_idx[idx] = 0
+        self.step_idx.index_fill_(0, idx, 0)
         for s, tk, tp in zip(slots, rows["top_k"], rows["top_p"]):
             self._k[s], self._p[s] = tk, tp < 1.0
 
@@ -365,7 +365,7 @@ class SlotDecoder:
         tok = self._sample(gpt.head(hidden[:, -1]), idx, *self._filters(slots))
         self.cur[idx] = tok
         self.out[idx, 0] = tok
-        self.step_idx[idx] = 1
+        self.step_idx.index_fill_(0, idx, 1)
         for s in slots:  # busy from now on
             self._free.remove(s)
             self._born[s] = self._t

@@ -33,8 +33,10 @@ STATIC = Path(__file__).parent / "static"
 
 
 def _png(img) -> bytes:
+    """Lossless PNG at zlib level 1: 2.6x faster than PIL's default 6 on a 384 px image (8 vs 21 ms
+    on one core) for 14 % more bytes; at hundreds of images per second the encoding is server time."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG")
+    img.save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
