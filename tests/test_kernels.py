@@ -121,18 +121,21 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv
 
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
-              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4)]
+              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
+              dict(rows_per_program=3, prefetch=True), dict(rows_per_program=2, prefetch=True, late_cast=True),
+              dict(prefetch=True)]
 
 
-@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8"])
+@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-prefetch",
+                                                    "rows2-prefetch-late", "prefetch"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
     (3, 6, 3, 3, 0, 7, 100, torch.bfloat16),  # GQA 2, no sinks, head_dim 100 (a masked tail)
 ])
 def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
-    """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows) and cache-dtype
-    tiles, a position per row; then
+    """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows), with and without
+    the next row's loads issued first (prefetch), cache-dtype tiles, a position per row; then
     with a caption span (the padded prompt NaN) and the remainder entry. Output and written buffers
     == the reference's."""
     g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
@@ -169,7 +172,8 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
     assert got == dict(ring.LAUNCH, rows_per_program=4, late_cast=True, num_warps=8)
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
-                      ("num_warps", "KEY=VALUE"), ("late_cast=yes", "1, 0, true or false"),
+                      ("num_warps", "KEY=VALUE"), ("late_cast=yes", "late_cast takes 1, 0, true or false"),
+                      ("prefetch=2", "prefetch takes 1, 0, true or false"),
                       ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)

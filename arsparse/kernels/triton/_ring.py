@@ -21,19 +21,113 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row, end, h, hk,
+              sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos,
+              P, S, W, jp, js, offs_d, dmask, HAS_SPAN: tl.constexpr):
+    """Issue the loads of row ``row`` for query head h: its query, the new token and the read set
+    (prompt, sinks written so far, ring slots of pos - o), without using any loaded tile, so that the
+    loads stay in flight while the caller works on another row. A row at or past ``end`` loads
+    nothing (``live`` False). -> b, live, i (image index), q, kn, vn (BD,), then per part of the read
+    set its mask and K/V tiles in the cache's dtype (0 where not loaded), and which entries are the
+    new token (``snew``, ``rnew``: taken from registers later)."""
+    live = row < end
+    b = tl.minimum(row, end - 1)
+    pos = tl.load(POS + b * spos)
+    i = pos - P  # image index of the query
+    ld = tl.where(live, dmask, False)  # (BD,) (not block & scalar: the interpreter mistypes it)
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=ld, other=0.0)
+    kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=ld, other=0.0)  # the new token, cache dtype
+    vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=ld, other=0.0)
+
+    pmask = tl.where(live, jp < P, False)  # the prompt (BP,)
+    if HAS_SPAN:
+        pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
+    p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
+    kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+    vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+
+    smask = tl.where(live, (js < S) & (js <= i), False)  # the sinks written so far (BS,); sink i is the new token
+    snew = js == i
+    s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
+    ks = tl.load(SK + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
+    vs = tl.load(SV + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
+
+    kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
+    omask = tl.where(live, (o >= 0) & (kpos >= P + S), False)
+    slot = tl.where(omask, (kpos - P) % W, 0)
+    rnew = omask & (slot == i % W)  # the slot this step writes: from registers
+    r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
+    kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
+    vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
+    return b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr
+
+
+@triton.jit
+def _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask,
+                rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, S, W, scale,
+                offs_d, dmask, G: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr):
+    """Attend over the row's loaded read set (:func:`_load_row`), store the output and, from the
+    last query head of each kv head, write the new token into the cache."""
+    q = q.to(tl.float32) * scale
+    if not LATE_CAST:
+        kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
+        kr, vr = kr.to(tl.float32), vr.to(tl.float32)
+    ks = tl.where(snew[:, None], kn.to(ks.dtype)[None, :], ks)
+    vs = tl.where(snew[:, None], vn.to(vs.dtype)[None, :], vs)
+    kr = tl.where(rnew[:, None], kn.to(kr.dtype)[None, :], kr)
+    vr = tl.where(rnew[:, None], vn.to(vr.dtype)[None, :], vr)
+
+    s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
+    if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
+        count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
+        n = tl.maximum(count, 1).to(tl.float32)
+        sum_off = b * ssum_b + hk * ssum_h + offs_d
+        k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
+        v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
+        s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
+        m = tl.maximum(m, s_e)
+    m = tl.where(live, m, 0.0)  # (a row past the end reads nothing: keep its exponentials finite)
+    p_p = tl.exp(s_p - m)
+    p_s = tl.exp(s_s - m)
+    p_r = tl.exp(s_r - m)
+    l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
+    acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
+           + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0))  # (BD,)
+    if HAS_REST:
+        p_e = tl.exp(s_e - m)
+        l = l + p_e
+        acc = acc + p_e * v_e
+    out = (acc / tl.maximum(l, 1e-30)).to(OUT.dtype.element_ty)
+    tl.store(OUT + b * sout_b + h * sout_h + offs_d, out, mask=tl.where(live, dmask, False))
+    wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
+    w_off = b * sr_b + hk * sr_h + (i % W) * sr_s + offs_d
+    tl.store(RK + w_off, kn, mask=wmask)
+    tl.store(RV + w_off, vn, mask=wmask)
+    w_off = b * ss_b + hk * ss_h + i * ss_s + offs_d
+    tl.store(SK + w_off, kn, mask=tl.where(i < S, wmask, False))
+    tl.store(SV + w_off, vn, mask=tl.where(i < S, wmask, False))
+
+
+@triton.jit
 def ring_decode_kernel(
     Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h, ssum_b, ssum_h,
     B, P, S, W, n_off, scale, D,
-    G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    G: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
-    the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
-    the sinks written so far and the ring slots of pos - offsets, each in one 2-D tile (rows, BD).
-    The last query head of each kv head writes the new token.
+    the rows attends, for each row, over the prompt, the sinks written so far and the ring slots of
+    pos - offsets, each in one 2-D tile (entries, BD). The last query head of each kv head writes
+    the new token. ``PREFETCH``: the loop issues the next row's loads before it works on the
+    current row's (loaded the iteration before), so a program keeps a row's gathers in flight while
+    it computes (software pipelining by hand: the gathers' addresses depend on a load, which
+    Triton's pipeliner does not overlap).
 
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
@@ -47,72 +141,29 @@ def ring_decode_kernel(
     o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1)  # (BO,) this head's backward offsets
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
-    for r in tl.range(0, ROWS):
-        row = tl.program_id(0) * ROWS + r
-        live = row < B
-        b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
-        pos = tl.load(POS + b * spos)
-        i = pos - P  # image index of the query
-        q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
-        kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
-        vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
-
-        pmask = jp < P  # the prompt (BP,)
-        if HAS_SPAN:
-            pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
-        p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
-        kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
-        vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
-
-        smask = (js < S) & (js <= i)  # the sinks written so far (BS,); sink i is the new token
-        snew = js == i
-        s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
-        ks = tl.load(SK + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
-        vs = tl.load(SV + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
-
-        kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
-        omask = (o >= 0) & (kpos >= P + S)
-        slot = tl.where(omask, (kpos - P) % W, 0)
-        rnew = omask & (slot == i % W)  # the slot this step writes: from registers
-        r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
-        kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-        vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-        if not LATE_CAST:
-            kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
-            kr, vr = kr.to(tl.float32), vr.to(tl.float32)
-        ks = tl.where(snew[:, None], kn.to(ks.dtype)[None, :], ks)
-        vs = tl.where(snew[:, None], vn.to(vs.dtype)[None, :], vs)
-        kr = tl.where(rnew[:, None], kn.to(kr.dtype)[None, :], kr)
-        vr = tl.where(rnew[:, None], vn.to(vr.dtype)[None, :], vr)
-
-        s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
-        if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
-            count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
-            n = tl.maximum(count, 1).to(tl.float32)
-            sum_off = b * ssum_b + hk * ssum_h + offs_d
-            k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
-            v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
-            s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
-            m = tl.maximum(m, s_e)
-        p_p = tl.exp(s_p - m)
-        p_s = tl.exp(s_s - m)
-        p_r = tl.exp(s_r - m)
-        l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
-        acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
-               + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0))  # (BD,)
-        if HAS_REST:
-            p_e = tl.exp(s_e - m)
-            l = l + p_e
-            acc = acc + p_e * v_e
-        omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
-        tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
-        wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
-        w_off = b * sr_b + hk * sr_h + (i % W) * sr_s + offs_d
-        tl.store(RK + w_off, kn, mask=wmask)
-        tl.store(RV + w_off, vn, mask=wmask)
-        w_off = b * ss_b + hk * ss_h + i * ss_s + offs_d
-        tl.store(SK + w_off, kn, mask=tl.where(i < S, wmask, False))
-        tl.store(SV + w_off, vn, mask=tl.where(i < S, wmask, False))
+    row0 = tl.program_id(0) * ROWS
+    end = tl.minimum(row0 + ROWS, B)
+    if PREFETCH:
+        b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr = _load_row(
+            Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0, end, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b,
+            svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d, dmask,
+            HAS_SPAN)
+        for r in tl.range(0, ROWS):
+            b2, live2, i2, q2, kn2, vn2, pmask2, kp2, vp2, smask2, snew2, ks2, vs2, omask2, rnew2, kr2, vr2 = _load_row(
+                Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0 + r + 1, end, h, hk, sq_b, sq_h, skn_b, skn_h,
+                svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d,
+                dmask, HAS_SPAN)
+            _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs,
+                        omask, rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h,
+                        S, W, scale, offs_d, dmask, G, HAS_REST, LATE_CAST)
+            b, live, i, q, kn, vn, pmask, kp, vp = b2, live2, i2, q2, kn2, vn2, pmask2, kp2, vp2
+            smask, snew, ks, vs, omask, rnew, kr, vr = smask2, snew2, ks2, vs2, omask2, rnew2, kr2, vr2
+    else:
+        for r in tl.range(0, ROWS):
+            b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr = _load_row(
+                Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0 + r, end, h, hk, sq_b, sq_h, skn_b, skn_h,
+                svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d,
+                dmask, HAS_SPAN)
+            _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs,
+                        omask, rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h,
+                        S, W, scale, offs_d, dmask, G, HAS_REST, LATE_CAST)

@@ -8,12 +8,15 @@ from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_prompt_span, position_stride
 
 #: Settings of the kernel (chosen by a sweep on an H200, BENCHMARKS.md run 6): rows of one query head
-#: per program, K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
-LAUNCH = dict(rows_per_program=1, late_cast=False, num_warps=1)
+#: per program, the next row's loads issued before the current row's work (``prefetch``, not yet
+#: timed), K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
+LAUNCH = dict(rows_per_program=1, prefetch=False, late_cast=False, num_warps=1)
 #: Settings ``launch=`` may override.
-LAUNCH_KEYS = {"rows_per_program", "late_cast", "num_warps", "num_stages"}
+LAUNCH_KEYS = {"rows_per_program", "prefetch", "late_cast", "num_warps", "num_stages"}
+_BOOLS = {"prefetch", "late_cast"}
 _VALID = dict(  # setting -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
+    prefetch=(lambda v: isinstance(v, bool), "a bool"),
     late_cast=(lambda v: isinstance(v, bool), "a bool"),
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
@@ -36,16 +39,16 @@ def _settings(given: dict | None, what: str) -> dict:
 
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; ``late_cast`` takes 1/0/true/false). For ``arsparse bench --ring-launch``."""
+    (ints; ``prefetch`` and ``late_cast`` take 1/0/true/false). For ``arsparse bench --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"ring launch settings are KEY=VALUE pairs separated by commas, got {item!r}")
         key, value = key.strip(), value.strip().lower()
-        if key == "late_cast":
+        if key in _BOOLS:
             if value not in ("1", "0", "true", "false"):
-                raise ValueError(f"late_cast takes 1, 0, true or false, got {value!r}")
+                raise ValueError(f"{key} takes 1, 0, true or false, got {value!r}")
             given[key] = value in ("1", "true")
         else:
             try:
@@ -76,7 +79,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     offsets : (H, n) int64 backward offsets of each head, -1 for padding
     pos : integer tensor, the query's position (>= P): one for every row, or (B,) one per row
     launch : overrides of :data:`LAUNCH` (for the launch sweep): ``rows_per_program`` rows of one query
-        head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
+        head per program (its offsets loaded once, a loop over the rows), ``prefetch`` (the loop
+        issues the next row's loads before working on the current row), ``late_cast`` (K/V tiles in
         the cache's dtype until the products), ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
@@ -134,6 +138,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     cfg = _settings(launch, "launch")  # (checked before any work is queued)
     rows = cfg.pop("rows_per_program")
     ring_decode_kernel[(triton.cdiv(B, rows), H)](
-        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
-        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
+        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, PREFETCH=cfg.pop("prefetch"),
+        BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"),
+        **blocks, **cfg)
     return out
