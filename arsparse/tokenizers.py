@@ -93,10 +93,11 @@ class ImageTokenizer(ABC):
         h, w = check_grid(grid)
         return h * self.downsample, w * self.downsample
 
-    def to(self, device: str | torch.device) -> "ImageTokenizer":
-        """Move whatever weights the tokenizer has to ``device``; returns ``self``.
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> "ImageTokenizer":
+        """Move whatever weights the tokenizer has to ``device`` (and ``dtype``, when given; the
+        decoded images come out as floats either way); returns ``self``.
 
-        The default is for tokenizers without weights, which work on any device.
+        The default is for tokenizers without weights, which work on any device and dtype.
         """
         return self
 
@@ -177,9 +178,9 @@ class VQTokenizer(ImageTokenizer):
         load_into(model, read_state_dict(path, key=key), what="VQ")
         return cls(model.to(device=device, dtype=dtype))
 
-    def to(self, device: str | torch.device) -> "VQTokenizer":
-        """Move the VQ model to ``device`` (its dtype is kept); returns ``self``."""
-        self.model.to(device)
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> "VQTokenizer":
+        """Move the VQ model to ``device`` and, when given, ``dtype`` (else its dtype is kept); returns ``self``."""
+        self.model.to(device=device, dtype=dtype)
         return self
 
     @property

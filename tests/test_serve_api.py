@@ -15,6 +15,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from conftest import random_gpt  # noqa: E402
 from serve_util import DIAGONAL_4x4, b64_pixels, make_app, offline_pixels, offline_tokens, png_pixels, tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -355,3 +356,35 @@ def test_serve_config_is_validated():
                      (dict(max_images=9, max_batch=8), r"max_images \(9\) must be <= max_batch")):
         with pytest.raises(ValueError, match=msg):
             ServeConfig(**bad)
+
+
+def test_image_decoder_precision_is_a_server_setting():
+    """vq_dtype="bf16": the served images are what a bf16 copy of the VQ decodes from the offline tokens,
+    a few levels from the fp32 decoder's (random weights: larger activations than a trained VQ's);
+    the default follows the serving dtype; a bad value is refused."""
+    import copy
+
+    from arsparse.models.vq import VQModel, vq_config
+    from arsparse.tokenizers import VQTokenizer
+
+    torch.manual_seed(3)
+    vq = VQTokenizer(VQModel(vq_config("VQ-8", ch=32, z_channels=32, codebook_size=64)))
+    gpt = random_gpt("c2i", image_tokens=16, seed=4, vocab_size=64)
+    body = dict(class_label=2, n=2, seed=9, return_tokens=True)
+    served = copy.deepcopy(vq)
+    with TestClient(make_app(gpt, served, vq_dtype="bf16")) as client:
+        data = client.post("/v1/generate", json=body).json()
+    assert served.dtype == torch.bfloat16
+    tokens = torch.tensor(data["tokens"])
+    assert torch.equal(tokens, offline_tokens(gpt, body))
+    got = np.stack([b64_pixels(im).astype(int) for im in data["images"]])
+    bf16 = copy.deepcopy(vq)
+    bf16.model.to(torch.bfloat16)
+    want = [offline_pixels(bf16, gpt, t[None])[0] for t in tokens]  # one at a time, as the CPU server decodes
+    assert np.array_equal(got, np.stack(want))  # what a bf16 decoder gives
+    diff = np.abs(got - np.stack(offline_pixels(vq, gpt, tokens)))  # against the fp32 decoder
+    assert 0 < diff.max() <= 16 and diff.mean() < 2.0, (diff.max(), diff.mean())
+    make_app(gpt, fp32 := copy.deepcopy(vq))
+    assert fp32.dtype == torch.float32  # the serving dtype on the CPU
+    with pytest.raises(ValueError, match="vq_dtype must be fp32, bf16, fp16 or None"):
+        make_app(gpt, vq, vq_dtype="int8")

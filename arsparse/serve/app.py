@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, policies
 from ..engine.continuous import supports_continuous
-from ..engine.generator import row_keys, sampling_rows
+from ..engine.generator import resolve_device, resolve_dtype, row_keys, sampling_rows
 from ..prompt_mask import pad_captions
 from ..tokenizers import make_grid, to_pil
 from .config import ServeConfig
@@ -84,6 +84,8 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
     config = config or ServeConfig()
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer to turn tokens into images")
+    device = resolve_device(device)
+    tokenizer.to(device, resolve_dtype(config.vq_dtype or dtype, device))  # the image decoder's precision
     pool = SchedulerPool(gpt, tokenizer, config, device=device, dtype=dtype, policy=policy, policy_args=policy_args)
     gen = pool.default.gen
     cfg = gen.config

@@ -29,7 +29,7 @@ def _app_from_args(args, max_queue: int = 64):
     config = ServeConfig(max_batch=args.max_batch, kv_memory_gb=args.kv_memory_gb, max_queue=args.max_queue or max_queue,
                          max_images=min(args.max_images, args.max_batch), timeout_s=args.timeout,
                          max_timeout_s=max(args.timeout, 600.0), max_policies=args.max_policies,
-                         cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+                         cuda_graphs=not args.no_cuda_graphs, compile=args.compile, vq_dtype=args.vq_dtype)
     gpt, tok, name, cfg_scale = build_model(args)
     bundle = BUNDLES.get(name)
     app = create_app(gpt, tok, model_name=name, policy=args.policy, policy_args=policy_args, config=config,
@@ -93,6 +93,8 @@ def _add_server_args(p) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take unless it asks (504 after)")
     p.add_argument("--max-policies", type=positive_int, default=2, help="policies with a live slot pool at once")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every continuous-batching step eagerly")
+    p.add_argument("--vq-dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="precision of the image decoder (default: --dtype's)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer blocks (any batch size; slow to build at the first requests)")
 

@@ -18,6 +18,9 @@ class ServeConfig:
     ``cuda_graphs``: replay continuous-batching steps from CUDA graphs (CUDA only; one per step
     shape, captured on first use). ``compile``: ``torch.compile`` the transformer blocks for any
     batch size (one compile serves every step width and prefill; slow to build at the first requests).
+    ``vq_dtype``: the precision of the image decoder ("fp32", "bf16", "fp16"; None: the serving dtype).
+    bf16 halves the decoder's bytes and arithmetic on a GPU (not yet timed); on the shipped emoji VQ
+    its images are 59 dB PSNR from the fp32 decoder's (at most 2 of 255 levels apart).
     """
 
     max_batch: int = 32
@@ -29,6 +32,7 @@ class ServeConfig:
     max_policies: int = 2
     cuda_graphs: bool = True
     compile: bool = False
+    vq_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_images", "max_policies"):
@@ -42,6 +46,8 @@ class ServeConfig:
         for name in ("cuda_graphs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ServeConfig: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.vq_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"ServeConfig: vq_dtype must be fp32, bf16, fp16 or None, got {self.vq_dtype!r}")
         if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
             raise ValueError(f"ServeConfig: kv_memory_gb must be > 0, got {self.kv_memory_gb!r}")
         if self.timeout_s > self.max_timeout_s:
