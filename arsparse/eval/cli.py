@@ -38,9 +38,8 @@ def _rho_list(text: str) -> tuple[float, ...]:
 
 def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
-    import torch
-
     from ..data import EmojiDataError, FashionDataError
+    from ..engine.generator import resolve_device
     from .classifier import CLASSIFIER_FILES, load_classifier
     from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, markdown_table, model_dataset
     from .mobilenet import MobileNetFeatures, find_mobilenet_weights, load_mobilenet
@@ -73,7 +72,7 @@ def cmd_eval(args) -> int:
             if dataset == "fashion":
                 heldout = fashion_heldout(tok, floor=floor)
             else:  # real images go through the VQ: encode them on the eval's device
-                tok.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+                tok.to(resolve_device(args.device))
                 heldout = emoji_heldout(tok, floor=floor)
         except (FashionDataError, EmojiDataError) as e:
             notes.append(f"{dataset} data not available ({e}); falling back to the dense model's samples")
