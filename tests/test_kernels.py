@@ -75,18 +75,20 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True)], ids=["engine", "rows2-late"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4, prefetch=True)],
+                         ids=["engine", "rows2-late", "rows4-prefetch"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
-    (3, 8, 1, 1, 0, 7, 128),  # MQA, no sinks, head_dim 128
+    (3, 8, 1, 1, 0, 7, 128),  # MQA, no sinks, head_dim 128 (fewer rows than a block of 4)
+    (1, 2, 2, 1, 1, 6, 64),  # one row
 ])
 def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     g = torch.Generator().manual_seed(B * 1000 + W * 10 + D)
     offsets = random_offsets(g, H, 6, W)
     # one position per row: the first image position, the last sink, random, far past the window
-    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W])
-    for p in (pos, pos[2]):  # per row, then one position for every row
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W][:B])
+    for p in (pos, pos[-1]):  # per row, then one position for every row
         inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, p, torch.float32,
                                                       int(p.sum()), DEVICE)
         got = ring_decode_attention(*inputs, S, launch=launch)
@@ -95,8 +97,9 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, prefetch=True)], ids=["engine", "rows2-prefetch"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
-def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv, P, S, W, D):
+def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
     position and the last sink have none); unread ring entries are NaN, the output starts NaN."""
     g = torch.Generator().manual_seed(B * 7 + D)
@@ -109,7 +112,7 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, B, H, Hkv
                                      rest_sums=[t.cpu() for t in sums])
     plain = ring_decode_attention_ref(*[t.cpu() for t in inputs[:3]], *[t.cpu().clone() for t in inputs[3:9]],
                                       offsets, pos, S)
-    got = ring_decode_attention(*inputs, S, rest_sums=sums)
+    got = ring_decode_attention(*inputs, S, rest_sums=sums, launch=launch)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu(), want, **TOL)
     _same([t.cpu() for t in inputs[3:9]], bufs)
@@ -334,3 +337,53 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
     assert joined >= 1
     for i, r in enumerate(reqs):
         assert torch.equal(results[i], _offline(offline, r)), f"request {i}"
+
+
+RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
+    "engine": (dict(G=1, ROWS=1, PREFETCH=False, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False,
+                    LATE_CAST=False), 1),
+    "prefetch-span-rest": (dict(G=1, ROWS=4, PREFETCH=True, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
+                                LATE_CAST=False), 1),
+    "gqa-caption-prefetch-late": (dict(G=4, ROWS=8, PREFETCH=True, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True,
+                                       HAS_REST=False, LATE_CAST=True), 4),
+    "rows3-d100-rest": (dict(G=2, ROWS=3, PREFETCH=False, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True,
+                             LATE_CAST=True), 2),
+}
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from arsparse.kernels.triton._ring import ring_decode_kernel as kernel
+
+pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
+                **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
+for name, (const, warps) in json.loads(sys.argv[1]).items():
+    const = dict(const, BLOCK_R=triton.next_power_of_2(const["ROWS"]), BLOCK_S=4, BLOCK_O=64)
+    signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32")
+                 for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    ok = bool(built.asm["cubin"]) and ".entry ring_decode_kernel" in built.asm["ptx"]
+    print(name, "built" if ok else "EMPTY", flush=True)
+"""
+
+
+def test_ring_kernel_compiles_for_hopper():
+    """The kernel as the GPU compiles it (Triton -> PTX -> cubin for sm_90), without a GPU, in a
+    process of its own (this module runs the interpreter): the interpreter runs Python, so this is
+    what shows that the compiled form accepts the code (loop-carried values, masks, the helpers'
+    tuples) in each build the engine and the launch sweep use."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(RING_BUILDS)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode and "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip(f"no ptxas to assemble with: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [w for name in RING_BUILDS for w in (name, "built")], run.stdout

@@ -21,18 +21,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row, end, h, hk,
-              sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos,
-              P, S, W, jp, js, offs_d, dmask, HAS_SPAN: tl.constexpr):
-    """Issue the loads of row ``row`` for query head h: its query, the new token and the read set
-    (prompt, sinks written so far, ring slots of pos - o), without using any loaded tile, so that the
-    loads stay in flight while the caller works on another row. A row at or past ``end`` loads
+def _load_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, o, r, row0, end, jr, posv, lov, hiv, h, hk,
+              sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
+              ssum_b, ssum_h, P, S, W, jp, js, offs_d, dmask, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr):
+    """Issue the loads of the block's row ``r`` (row ``row0 + r``) for query head h: its query, the
+    new token, the read set (prompt, sinks written so far, ring slots of pos - o) and the remainder's
+    running sums, without using any loaded value, so that the loads stay in flight while the caller
+    works on another row. The row's position and caption span come from the block's vectors
+    (``posv``, ``lov``, ``hiv`` over ``jr``, loaded before the loop). A row at or past ``end`` loads
     nothing (``live`` False). -> b, live, i (image index), q, kn, vn (BD,), then per part of the read
-    set its mask and K/V tiles in the cache's dtype (0 where not loaded), and which entries are the
-    new token (``snew``, ``rnew``: taken from registers later)."""
+    set its mask and K/V tiles in the cache's dtype (0 where not loaded), which entries are the new
+    token (``snew``, ``rnew``: taken from registers later), and the sums (BD,) fp32."""
+    row = row0 + r
     live = row < end
     b = tl.minimum(row, end - 1)
-    pos = tl.load(POS + b * spos)
+    pos = tl.sum(tl.where(jr == r, posv, 0))  # (from registers: no load to wait for)
     i = pos - P  # image index of the query
     ld = tl.where(live, dmask, False)  # (BD,) (not block & scalar: the interpreter mistypes it)
     q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=ld, other=0.0)
@@ -41,7 +44,7 @@ def _load_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row, end, h, hk,
 
     pmask = tl.where(live, jp < P, False)  # the prompt (BP,)
     if HAS_SPAN:
-        pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
+        pmask = pmask & (jp >= tl.sum(tl.where(jr == r, lov, 0))) & (jp < tl.sum(tl.where(jr == r, hiv, 0)))
     p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
     kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
     vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
@@ -59,13 +62,20 @@ def _load_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row, end, h, hk,
     r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
     kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
     vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-    return b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr
+    if HAS_REST:
+        sum_off = b * ssum_b + hk * ssum_h + offs_d
+        ksum = tl.load(KSUM + sum_off, mask=ld, other=0.0)
+        vsum = tl.load(VSUM + sum_off, mask=ld, other=0.0)
+    else:
+        ksum = tl.zeros(offs_d.shape, tl.float32)  # (unused)
+        vsum = ksum
+    return b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr, ksum, vsum
 
 
 @triton.jit
-def _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask,
-                rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, S, W, scale,
-                offs_d, dmask, G: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr):
+def _finish_row(OUT, RK, RV, SK, SV, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr,
+                ksum, vsum, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, S, W, scale, offs_d, dmask,
+                G: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr):
     """Attend over the row's loaded read set (:func:`_load_row`), store the output and, from the
     last query head of each kv head, write the new token into the cache."""
     q = q.to(tl.float32) * scale
@@ -84,9 +94,8 @@ def _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, k
     if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
         count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
         n = tl.maximum(count, 1).to(tl.float32)
-        sum_off = b * ssum_b + hk * ssum_h + offs_d
-        k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
-        v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
+        k_e = (ksum - tl.sum(kr.to(tl.float32), axis=0)) / n
+        v_e = (vsum - tl.sum(vr.to(tl.float32), axis=0)) / n
         s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
         m = tl.maximum(m, s_e)
     m = tl.where(live, m, 0.0)  # (a row past the end reads nothing: keep its exponentials finite)
@@ -117,7 +126,7 @@ def ring_decode_kernel(
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h, ssum_b, ssum_h,
     B, P, S, W, n_off, scale, D,
-    G: tl.constexpr, ROWS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    G: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr,
 ):
@@ -143,27 +152,38 @@ def ring_decode_kernel(
     js = tl.arange(0, BLOCK_S)
     row0 = tl.program_id(0) * ROWS
     end = tl.minimum(row0 + ROWS, B)
+    jr = tl.arange(0, BLOCK_R)
+    rmask = row0 + jr < end
+    posv = tl.load(POS + (row0 + jr) * spos, mask=rmask, other=0)  # (BR,) the block's positions
+    if HAS_SPAN:  # and caption spans
+        lov = tl.load(SPAN + 2 * (row0 + jr), mask=rmask, other=0)
+        hiv = tl.load(SPAN + 2 * (row0 + jr) + 1, mask=rmask, other=0)
+    else:
+        lov = posv  # (unused)
+        hiv = posv
     if PREFETCH:
-        b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr = _load_row(
-            Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0, end, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b,
-            svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d, dmask,
-            HAS_SPAN)
+        b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr, ksum, vsum = _load_row(
+            Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, o, 0, row0, end, jr, posv, lov, hiv, h, hk, sq_b, sq_h,
+            skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W,
+            jp, js, offs_d, dmask, HAS_SPAN, HAS_REST)
         for r in tl.range(0, ROWS):
-            b2, live2, i2, q2, kn2, vn2, pmask2, kp2, vp2, smask2, snew2, ks2, vs2, omask2, rnew2, kr2, vr2 = _load_row(
-                Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0 + r + 1, end, h, hk, sq_b, sq_h, skn_b, skn_h,
-                svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d,
-                dmask, HAS_SPAN)
-            _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs,
-                        omask, rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h,
-                        S, W, scale, offs_d, dmask, G, HAS_REST, LATE_CAST)
+            (b2, live2, i2, q2, kn2, vn2, pmask2, kp2, vp2, smask2, snew2, ks2, vs2, omask2, rnew2, kr2, vr2, ksum2,
+             vsum2) = _load_row(
+                Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, o, r + 1, row0, end, jr, posv, lov, hiv, h, hk, sq_b,
+                sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b,
+                ssum_h, P, S, W, jp, js, offs_d, dmask, HAS_SPAN, HAS_REST)
+            _finish_row(OUT, RK, RV, SK, SV, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr,
+                        vr, ksum, vsum, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, S, W, scale, offs_d,
+                        dmask, G, HAS_REST, LATE_CAST)
             b, live, i, q, kn, vn, pmask, kp, vp = b2, live2, i2, q2, kn2, vn2, pmask2, kp2, vp2
             smask, snew, ks, vs, omask, rnew, kr, vr = smask2, snew2, ks2, vs2, omask2, rnew2, kr2, vr2
+            ksum, vsum = ksum2, vsum2
     else:
         for r in tl.range(0, ROWS):
-            b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr = _load_row(
-                Q, KN, VN, PK, PV, SK, SV, RK, RV, POS, SPAN, o, row0 + r, end, h, hk, sq_b, sq_h, skn_b, skn_h,
-                svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, spos, P, S, W, jp, js, offs_d,
-                dmask, HAS_SPAN)
-            _finish_row(OUT, RK, RV, SK, SV, KSUM, VSUM, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs,
-                        omask, rnew, kr, vr, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h,
-                        S, W, scale, offs_d, dmask, G, HAS_REST, LATE_CAST)
+            b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr, vr, ksum, vsum = _load_row(
+                Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, o, r, row0, end, jr, posv, lov, hiv, h, hk, sq_b, sq_h,
+                skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P,
+                S, W, jp, js, offs_d, dmask, HAS_SPAN, HAS_REST)
+            _finish_row(OUT, RK, RV, SK, SV, b, live, i, q, kn, vn, pmask, kp, vp, smask, snew, ks, vs, omask, rnew, kr,
+                        vr, ksum, vsum, h, hk, sout_b, sout_h, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, S, W, scale, offs_d,
+                        dmask, G, HAS_REST, LATE_CAST)

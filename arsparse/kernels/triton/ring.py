@@ -9,7 +9,9 @@ from .decode import check_new_kv, check_prompt_span, position_stride
 
 #: Settings of the kernel (chosen by a sweep on an H200, BENCHMARKS.md run 6): rows of one query head
 #: per program, the next row's loads issued before the current row's work (``prefetch``, not yet
-#: timed), K/V tiles kept in the cache's dtype until the products (``late_cast``), launch options.
+#: timed; it holds two rows' tiles: with one warp ptxas needs ~255 registers, and spills with a long
+#: caption prompt, so pair it with more warps), K/V tiles kept in the cache's dtype until the products
+#: (``late_cast``), launch options.
 LAUNCH = dict(rows_per_program=1, prefetch=False, late_cast=False, num_warps=1)
 #: Settings ``launch=`` may override.
 LAUNCH_KEYS = {"rows_per_program", "prefetch", "late_cast", "num_warps", "num_stages"}
@@ -135,10 +137,10 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     blocks = dict(BLOCK_P=triton.next_power_of_2(P), BLOCK_S=triton.next_power_of_2(max(n_sinks, 1)),
                   BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
-    cfg = _settings(launch, "launch")  # (checked before any work is queued)
+    cfg = dict(LAUNCH) if launch is None else _settings(launch, "launch")
     rows = cfg.pop("rows_per_program")
     ring_decode_kernel[(triton.cdiv(B, rows), H)](
-        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, PREFETCH=cfg.pop("prefetch"),
-        BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"),
-        **blocks, **cfg)
+        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_R=triton.next_power_of_2(rows),
+        PREFETCH=cfg.pop("prefetch"), BLOCK_O=triton.next_power_of_2(max(n_off, 1)), HAS_REST=rest_sums is not None,
+        LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
     return out
