@@ -75,8 +75,8 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4, prefetch=True)],
-                         ids=["engine", "rows2-late", "rows4-prefetch"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4, prefetch=True),
+                                    dict(split_offsets=True)], ids=["engine", "rows2-late", "rows4-prefetch", "split"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -97,7 +97,8 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, prefetch=True)], ids=["engine", "rows2-prefetch"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, prefetch=True, split_offsets=True)],
+                         ids=["engine", "rows2-prefetch-split"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
 def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
@@ -126,11 +127,11 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
               dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
               dict(rows_per_program=3, prefetch=True), dict(rows_per_program=2, prefetch=True, late_cast=True),
-              dict(prefetch=True)]
+              dict(prefetch=True), dict(split_offsets=True), dict(rows_per_program=3, prefetch=True, split_offsets=True)]
 
 
 @pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-prefetch",
-                                                    "rows2-prefetch-late", "prefetch"])
+                                                    "rows2-prefetch-late", "prefetch", "split", "rows3-prefetch-split"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
@@ -138,7 +139,8 @@ ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_st
 ])
 def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
     """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows), with and without
-    the next row's loads issued first (prefetch), cache-dtype tiles, a position per row; then
+    the next row's loads issued first (prefetch), the 6 offsets in tiles of 4 + 2 (split_offsets),
+    cache-dtype tiles, a position per row; then
     with a caption span (the padded prompt NaN) and the remainder entry. Output and written buffers
     == the reference's."""
     g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
@@ -348,6 +350,10 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
                                        HAS_REST=False, LATE_CAST=True), 4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, PREFETCH=False, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True,
                              LATE_CAST=True), 2),
+    "split-offsets": (dict(G=1, ROWS=1, PREFETCH=False, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False,
+                           LATE_CAST=False, BLOCK_O=32, BLOCK_O2=16), 1),
+    "split-prefetch-rest": (dict(G=1, ROWS=4, PREFETCH=True, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True,
+                                 LATE_CAST=True, BLOCK_O=32, BLOCK_O2=16), 2),
 }
 _COMPILE = """
 import json, sys
@@ -359,7 +365,8 @@ from arsparse.kernels.triton._ring import ring_decode_kernel as kernel
 pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
                 **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
 for name, (const, warps) in json.loads(sys.argv[1]).items():
-    const = dict(const, BLOCK_R=triton.next_power_of_2(const["ROWS"]), BLOCK_S=4, BLOCK_O=64)
+    const = dict(dict(BLOCK_O=64, BLOCK_O2=1), **const, HAS_O2=const.get("BLOCK_O2", 1) > 1, BLOCK_S=4,
+                 BLOCK_R=triton.next_power_of_2(const["ROWS"]))
     signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32")
                  for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature,

@@ -10,8 +10,9 @@
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
 # time the ring kernel (2-D tiles of one head, rows_per_program rows per program in a loop
 # pipelined num_stages deep, or by hand: prefetch issues the next row's loads first) by
-# rows_per_program, prefetch, late_cast (K/V tiles in bf16 until the products), num_warps and
-# num_stages; "ring-best": the fastest of each rows_per_program x prefetch x late_cast;
+# rows_per_program, prefetch, split_offsets (the offsets in two register tiles sized to them),
+# late_cast (K/V tiles in bf16 until the products), num_warps and num_stages; "ring-best": the
+# fastest of each rows_per_program x prefetch x split_offsets x late_cast;
 # "ring-rows" gives each row its own position (continuous batching): the engine's setting and the
 # fastest one. (Run 6 also timed two other forms, since removed: 3-D tiles of a block of heads per
 # program, and one program per (rows, kv head) reading the ring in chunks; both were slower.)
@@ -83,9 +84,12 @@ def sweep_ring(rows):
     engine = dict(ring.LAUNCH)
     want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
-    settings = [dict(rows_per_program=1, prefetch=False, num_warps=nw, num_stages=3) for nw in (1, 2, 4)]
-    settings += [dict(rows_per_program=rw, prefetch=pf, num_warps=nw, num_stages=ns)
+    settings = [dict(rows_per_program=1, prefetch=False, split_offsets=sp, num_warps=nw, num_stages=3)
+                for sp, nw in itertools.product((False, True), (1, 2, 4))]
+    settings += [dict(rows_per_program=rw, prefetch=pf, split_offsets=False, num_warps=nw, num_stages=ns)
                  for rw, nw, (pf, ns) in itertools.product((2, 4, 8), (1, 2, 4), ((False, 1), (False, 3), (True, 3)))]
+    settings += [dict(rows_per_program=rw, prefetch=True, split_offsets=True, num_warps=nw, num_stages=3)
+                 for rw, nw in itertools.product((2, 4), (2, 4))]
     for setting, late in itertools.product(settings, (False, True)):
         launch = dict(setting, late_cast=late)
         try:
@@ -97,7 +101,7 @@ def sweep_ring(rows):
             continue
         rows.append(dict(kernel="ring", **launch, us=us, gb_s=nbytes / us / 1e3, read=nread, ok=ok))
     ring_rows = [x for x in rows if x["kernel"] == "ring"]
-    key = lambda x: (x["rows_per_program"], x["prefetch"], x["late_cast"])
+    key = lambda x: (x["rows_per_program"], x["prefetch"], x["split_offsets"], x["late_cast"])
     extra = [dict(min((x for x in ring_rows if key(x) == v), key=lambda x: x["us"]), kernel="ring-best")
              for v in sorted({key(x) for x in ring_rows})]
     best = min((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])
