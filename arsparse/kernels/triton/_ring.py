@@ -114,18 +114,18 @@ def _finish_row(OUT, RK, RV, SK, SV, b, live, i, q, kn, vn, pmask, kp, vp, smask
     s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
     s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
     m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
-    count = tl.sum(omask.to(tl.int32), axis=0)  # ring entries read
-    k_read = tl.sum(kr.to(tl.float32), axis=0)  # (BD,) their sums (0 where not read), for the remainder
-    v_read = tl.sum(vr.to(tl.float32), axis=0)
     if HAS_O2:  # the second tile of offsets
         kr2, vr2 = _with_new(kr2, vr2, rnew2, kn, vn, LATE_CAST)
         s_r2 = tl.where(omask2, tl.sum(kr2.to(tl.float32) * q[None, :], axis=1), float("-inf"))
         m = tl.maximum(m, tl.max(s_r2, axis=0))
-        count += tl.sum(omask2.to(tl.int32), axis=0)
-        k_read += tl.sum(kr2.to(tl.float32), axis=0)
-        v_read += tl.sum(vr2.to(tl.float32), axis=0)
     if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
-        count = tl.maximum(i + 1 - S, 0) - count
+        count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
+        k_read = tl.sum(kr.to(tl.float32), axis=0)  # (BD,) (0 where not read)
+        v_read = tl.sum(vr.to(tl.float32), axis=0)
+        if HAS_O2:
+            count -= tl.sum(omask2.to(tl.int32), axis=0)
+            k_read += tl.sum(kr2.to(tl.float32), axis=0)
+            v_read += tl.sum(vr2.to(tl.float32), axis=0)
         n = tl.maximum(count, 1).to(tl.float32)
         k_e = (ksum - k_read) / n
         v_e = (vsum - v_read) / n
