@@ -36,8 +36,11 @@ def generate_request_model(cfg: GPTConfig, max_images: int, max_timeout_s: float
     guidance = cfg.model_type == "t2i" or cfg.has_null_class
     fields.update(
         n=(Int, Field(1, ge=1, le=max_images, description="images to draw (all of the same condition)")),
-        seed=(Annotated[Optional[Annotated[int, Field(ge=0, lt=2**63)]], BeforeValidator(_integral)], Field(None, description=(
-            "image i uses the noise key (seed, i), as Generator.sample_tokens(seed=seed); random when omitted"))),
+        # (below 2**53: the integers JSON numbers carry exactly, in every client and in the schema's own
+        # bound; 2**63 as a bound rounded in schema-driven clients, which then sent it as valid)
+        seed=(Annotated[Optional[Annotated[int, Field(ge=0, lt=2**53)]], BeforeValidator(_integral)], Field(None, description=(
+            "image i uses the noise key (seed, i), as Generator.sample_tokens(seed=seed); 0 <= seed < 2**53; "
+            "random when omitted"))),
         cfg_scale=(Optional[float], Field(None, ge=0.0, le=100.0 if guidance else 1.0, description=(
             f"classifier-free guidance, 1 = off (default {cfg_scale_default})"
             + ("" if guidance else "; this model has no null class, so only 1")))),
