@@ -378,8 +378,7 @@ def test_image_decoder_precision_is_a_server_setting():
     tokens = torch.tensor(data["tokens"])
     assert torch.equal(tokens, offline_tokens(gpt, body))
     got = np.stack([b64_pixels(im).astype(int) for im in data["images"]])
-    bf16 = copy.deepcopy(vq)
-    bf16.model.to(torch.bfloat16)
+    bf16 = copy.deepcopy(vq).to("cpu", torch.bfloat16)
     want = [offline_pixels(bf16, gpt, t[None])[0] for t in tokens]  # one at a time, as the CPU server decodes
     assert np.array_equal(got, np.stack(want))  # what a bf16 decoder gives
     diff = np.abs(got - np.stack(offline_pixels(vq, gpt, tokens)))  # against the fp32 decoder

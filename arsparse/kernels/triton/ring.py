@@ -14,17 +14,17 @@ from .decode import check_new_kv, check_prompt_span, position_stride
 #: (``split_offsets``: diagonal's 43 in 32 + 16 rows, not 64; not yet timed), K/V tiles kept in the
 #: cache's dtype until the products (``late_cast``), launch options.
 LAUNCH = dict(rows_per_program=1, prefetch=False, split_offsets=False, late_cast=False, num_warps=1)
-#: Settings ``launch=`` may override.
-LAUNCH_KEYS = {"rows_per_program", "prefetch", "split_offsets", "late_cast", "num_warps", "num_stages"}
-_BOOLS = {"prefetch", "split_offsets", "late_cast"}
-_VALID = dict(  # setting -> (check, what is allowed)
+_BOOL = (lambda v: isinstance(v, bool), "a bool")
+_VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    prefetch=(lambda v: isinstance(v, bool), "a bool"),
-    split_offsets=(lambda v: isinstance(v, bool), "a bool"),
-    late_cast=(lambda v: isinstance(v, bool), "a bool"),
+    prefetch=_BOOL,
+    split_offsets=_BOOL,
+    late_cast=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
+LAUNCH_KEYS = set(_VALID)
+_BOOLS = {k for k, v in _VALID.items() if v is _BOOL}
 
 
 def _settings(given: dict | None, what: str) -> dict:
