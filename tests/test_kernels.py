@@ -75,8 +75,8 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4, prefetch=True),
-                                    dict(split_offsets=True)], ids=["engine", "rows2-late", "rows4-prefetch", "split"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4)],
+                         ids=["engine", "rows2-late", "rows4"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -97,8 +97,7 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, prefetch=True, split_offsets=True)],
-                         ids=["engine", "rows2-prefetch-split"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True)], ids=["engine", "rows2-late"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
 def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
@@ -125,22 +124,18 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
 
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
-              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
-              dict(rows_per_program=3, prefetch=True), dict(rows_per_program=2, prefetch=True, late_cast=True),
-              dict(prefetch=True), dict(split_offsets=True), dict(rows_per_program=3, prefetch=True, split_offsets=True)]
+              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4)]
 
 
-@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-prefetch",
-                                                    "rows2-prefetch-late", "prefetch", "split", "rows3-prefetch-split"])
+@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
     (3, 6, 3, 3, 0, 7, 100, torch.bfloat16),  # GQA 2, no sinks, head_dim 100 (a masked tail)
 ])
 def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
-    """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows), with and without
-    the next row's loads issued first (prefetch), the 6 offsets in tiles of 4 + 2 (split_offsets),
-    cache-dtype tiles, a position per row; then
+    """launch=: blocks of rows per program (3 and 8 leave a part-block of B rows), cache-dtype tiles,
+    a position per row; then
     with a caption span (the padded prompt NaN) and the remainder entry. Output and written buffers
     == the reference's."""
     g = torch.Generator().manual_seed(B * 100 + H * 10 + D)
@@ -178,7 +173,6 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
                       ("num_warps", "KEY=VALUE"), ("late_cast=yes", "late_cast takes 1, 0, true or false"),
-                      ("prefetch=2", "prefetch takes 1, 0, true or false"),
                       ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
@@ -342,18 +336,11 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
 
 
 RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
-    "engine": (dict(G=1, ROWS=1, PREFETCH=False, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False,
-                    LATE_CAST=False), 1),
-    "prefetch-span-rest": (dict(G=1, ROWS=4, PREFETCH=True, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
-                                LATE_CAST=False), 1),
-    "gqa-caption-prefetch-late": (dict(G=4, ROWS=8, PREFETCH=True, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True,
-                                       HAS_REST=False, LATE_CAST=True), 4),
-    "rows3-d100-rest": (dict(G=2, ROWS=3, PREFETCH=False, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True,
-                             LATE_CAST=True), 2),
-    "split-offsets": (dict(G=1, ROWS=1, PREFETCH=False, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False,
-                           LATE_CAST=False, BLOCK_O=32, BLOCK_O2=16), 1),
-    "split-prefetch-rest": (dict(G=1, ROWS=4, PREFETCH=True, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True,
-                                 LATE_CAST=True, BLOCK_O=32, BLOCK_O2=16), 2),
+    "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False), 1),
+    "rows4-span-rest": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True, LATE_CAST=False), 1),
+    "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True),
+                         4),
+    "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True), 2),
 }
 _COMPILE = """
 import json, sys
@@ -365,8 +352,7 @@ from arsparse.kernels.triton._ring import ring_decode_kernel as kernel
 pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
                 **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
 for name, (const, warps) in json.loads(sys.argv[1]).items():
-    const = dict(dict(BLOCK_O=64, BLOCK_O2=1), **const, HAS_O2=const.get("BLOCK_O2", 1) > 1, BLOCK_S=4,
-                 BLOCK_R=triton.next_power_of_2(const["ROWS"]))
+    const = dict(const, BLOCK_O=64, BLOCK_S=4)
     signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32")
                  for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature,

@@ -145,13 +145,13 @@ class RowRingKVCache(_RowMasks, RingKVCache):
             return self._prefill_rows(q, k, v)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
-        i = pos - self.P  # image index of each row's query
         if self.remainder:  # each row's new token joins its sums once the row is past the sinks
-            past = (i >= self.S).to(torch.float32)[:, None, None]  # (B, 1, 1)
+            past = (pos - self.P >= self.S).to(torch.float32)[:, None, None]  # (B, 1, 1)
             self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
             self.vsum[layer, :B].add_(v[:, :, 0].float() * past)
-        if self.kernel == "triton":
+        if self.kernel == "triton":  # (the kernel computes the image indices itself)
             return self._decode_triton(layer, q, k, v, pos)
+        i = pos - self.P  # image index of each row's query
         _scatter_at(self.rk[layer, :B], i % self.W, k)
         _scatter_at(self.rv[layer, :B], i % self.W, v)
         sink_slot = torch.where(i < self.S, i, self.S)  # the last sink slot is scratch

@@ -114,14 +114,14 @@ class RingKVCache(_PromptCache):
                 self.ksum[layer].zero_()
                 self.vsum[layer].zero_()
             return self._prefill(layer, q, k, v)
-        i = self.pos - self.P  # image index of the query
         if self.remainder:  # the new token joins the running sums if it is past the sinks
-            past = (i >= self.S).to(torch.float32)
+            past = (self.pos - self.P >= self.S).to(torch.float32)
             B = k.shape[0]
             self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
             self.vsum[layer, :B].add_(v[:, :, 0].float() * past)
-        if self.kernel == "triton":
+        if self.kernel == "triton":  # (the kernel computes the image index itself: no launch for it here)
             return self._decode_triton(layer, q, k, v, self.pos)
+        i = self.pos - self.P  # image index of the query
         slot = (i % self.W).view(1)
         self.rk[layer].index_copy_(2, slot, k)
         self.rv[layer].index_copy_(2, slot, v)

@@ -3,23 +3,25 @@
 # (512 rows, 20 heads, head_dim 64, bf16), mid-generation (query at position 300). On the H200:
 #   bash docs/bench/kernel-sweep.sh [dense,ring,slots]   -> a table of us/call and GB/s (the kernels
 #   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>.json;
-#   ring also writes its best setting of the engine's kernel to $OUT/ring_best.txt, for
-#   `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call
+#   ring also writes its best setting of the engine's kernel to $OUT/ring_best.txt (the best three
+#   to ring_top.txt), for `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
 # time the ring kernel (2-D tiles of one head, rows_per_program rows per program in a loop
-# pipelined num_stages deep, or by hand: prefetch issues the next row's loads first) by
-# rows_per_program, prefetch, split_offsets (the offsets in two register tiles sized to them),
-# late_cast (K/V tiles in bf16 until the products), num_warps and num_stages; "ring-best": the
-# fastest of each rows_per_program x prefetch x split_offsets x late_cast;
-# "ring-rows" gives each row its own position (continuous batching): the engine's setting and the
-# fastest one. (Run 6 also timed two other forms, since removed: 3-D tiles of a block of heads per
-# program, and one program per (rows, kv head) reading the ring in chunks; both were slower.)
+# pipelined num_stages deep) by rows_per_program, late_cast (K/V tiles in bf16 until the
+# products), num_warps and num_stages: every setting is built first, then timed in three
+# interleaved rounds (median of each, and the spread between rounds: timed 100 times right after its
+# compile, as before run 7, one setting took 74 us in one call and 124 us in the next); "ring-best": the
+# fastest of each rows_per_program x late_cast; "ring-rows" gives each row its own position
+# (continuous batching): the engine's setting and the fastest one. (Runs 6 and 7 also timed forms
+# since removed: 3-D tiles of a block of heads per program, one program per (rows, kv head)
+# reading the ring in chunks, the next row's loads issued first by hand, and the offsets in two
+# register tiles; all were slower.)
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
-import itertools, json, os, torch
+import itertools, json, os, torch, triton, triton.testing
 from arsparse.kernels.triton import decode, ring, slots
 from arsparse.kernels.triton import decode_attention, ring_decode_attention, slot_decode_attention
 from arsparse.layout import Layout
@@ -33,13 +35,18 @@ q, k_new, v_new = r(B, H, D), r(B, H, D), r(B, H, D)
 p = torch.tensor(pos, device=dev)
 fmt = lambda x: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in x.items()}
 
-def timeit(fn, reps=100):
-    for _ in range(5): fn()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(); e0.record()
-    for _ in range(reps): fn()
-    e1.record(); torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / reps * 1e3  # us
+def timeit(fn):
+    """Median us of a call, after 100 ms of calls (the clocks fall while the host compiles)."""
+    return triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median") * 1e3
+
+def rounds(fns, n=3):
+    """{name: (median, spread) us} over n interleaved rounds of every fn (built and warmed first):
+    one setting timed twice, far apart, shows how much of a difference is noise."""
+    times = {name: [] for name in fns}
+    for _ in range(n):
+        for name, fn in fns.items():
+            times[name].append(timeit(fn))
+    return {name: (sorted(t)[len(t) // 2], max(t) - min(t)) for name, t in times.items()}
 
 def report(rows, kname, engine, extra=()):
     """The engine's setting, the fastest four, and the extra rows."""
@@ -84,28 +91,29 @@ def sweep_ring(rows):
     engine = dict(ring.LAUNCH)
     want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
-    settings = [dict(rows_per_program=1, prefetch=False, split_offsets=sp, num_warps=nw, num_stages=3)
-                for sp, nw in itertools.product((False, True), (1, 2, 4))]
-    settings += [dict(rows_per_program=rw, prefetch=pf, split_offsets=False, num_warps=nw, num_stages=ns)
-                 for rw, nw, (pf, ns) in itertools.product((2, 4, 8), (1, 2, 4), ((False, 1), (False, 3), (True, 3)))]
-    settings += [dict(rows_per_program=rw, prefetch=True, split_offsets=True, num_warps=nw, num_stages=3)
-                 for rw, nw in itertools.product((2, 4), (2, 4))]
+    settings = [dict(rows_per_program=rw, num_warps=nw, num_stages=ns)
+                for rw, nw, ns in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 3)) if rw > 1 or ns == 3]
+    fns, oks = {}, {}
     for setting, late in itertools.product(settings, (False, True)):
         launch = dict(setting, late_cast=late)
-        try:
-            us = timeit(lambda: ring_decode_attention(*args(p), launch=launch))
-            ok = agrees(ring_decode_attention(*args(p), launch=launch))
+        try:  # build and check every setting first
+            key = tuple(launch.items())
+            oks[key] = agrees(ring_decode_attention(*args(p), launch=launch))
+            fns[key] = lambda launch=launch: ring_decode_attention(*args(p), launch=launch)
         except Exception as e:  # (a setting that does not compile is a row, not the end of the sweep)
             print("ring", launch, "failed:", type(e).__name__, str(e)[:300])
             rows.append(dict(kernel="ring-failed", **launch, error=f"{type(e).__name__}: {str(e)[:300]}"))
-            continue
-        rows.append(dict(kernel="ring", **launch, us=us, gb_s=nbytes / us / 1e3, read=nread, ok=ok))
+    for key, (us, spread) in rounds(fns).items():
+        rows.append(dict(kernel="ring", **dict(key), us=us, spread_us=spread, gb_s=nbytes / us / 1e3, read=nread,
+                         ok=oks[key]))
     ring_rows = [x for x in rows if x["kernel"] == "ring"]
-    key = lambda x: (x["rows_per_program"], x["prefetch"], x["split_offsets"], x["late_cast"])
+    key = lambda x: (x["rows_per_program"], x["late_cast"])
     extra = [dict(min((x for x in ring_rows if key(x) == v), key=lambda x: x["us"]), kernel="ring-best")
              for v in sorted({key(x) for x in ring_rows})]
-    best = min((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])
-    best = {k: best[k] for k in ring.LAUNCH_KEYS}
+    top = sorted((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])[:3]
+    flag = lambda x: ",".join(f"{k}={int(x[k]) if isinstance(x[k], bool) else x[k]}" for k in sorted(ring.LAUNCH_KEYS))
+    open(f"{os.environ['OUT']}/ring_top.txt", "w").write("".join(flag(x) + "\n" for x in top))
+    best = {k: top[0][k] for k in ring.LAUNCH_KEYS}
     p_img = torch.randint(lay.prefix_len, S - 1, (B,), device=dev, generator=g)  # a position per row
     for name, kw in (("engine", {}), ("best", dict(launch=best))):
         us = timeit(lambda: ring_decode_attention(*args(p_img), **kw))
@@ -117,9 +125,9 @@ def sweep_ring(rows):
     extra.append(dict(kernel="ring-writes", us=us))
     rows += extra
     report(rows, "ring", dict(engine, num_stages=3), extra)
-    flag = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(best.items()))
-    open(f"{os.environ['OUT']}/ring_best.txt", "w").write(flag + "\n")
-    print(f"ring: the best setting of the engine's kernel, to time in whole steps: arsparse bench --ring-launch {flag}")
+    open(f"{os.environ['OUT']}/ring_best.txt", "w").write(flag(best) + "\n")
+    print(f"ring: the best setting of the engine's kernel, to time in whole steps: arsparse bench --ring-launch "
+          f"{flag(best)} (the fastest three in $OUT/ring_top.txt)")
 
 def sweep_slots(rows):
     """83 kept + 1 spare, ~5% free."""

@@ -7,18 +7,13 @@ import triton
 from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_prompt_span, position_stride
 
-#: Settings of the kernel (chosen by a sweep on an H200, BENCHMARKS.md run 6): rows of one query head
-#: per program, the next row's loads issued before the current row's work (``prefetch``, not yet
-#: timed; it holds two rows' tiles: with one warp ptxas needs ~255 registers, and spills with a long
-#: caption prompt, so pair it with more warps), the offsets in two register tiles sized to them
-#: (``split_offsets``: diagonal's 43 in 32 + 16 rows, not 64; not yet timed), K/V tiles kept in the
-#: cache's dtype until the products (``late_cast``), launch options.
-LAUNCH = dict(rows_per_program=1, prefetch=False, split_offsets=False, late_cast=False, num_warps=1)
+#: Settings of the kernel (chosen by sweeps on an H200 and checked in whole decode steps, BENCHMARKS.md
+#: runs 6 and 7): rows of one query head per program, K/V tiles kept in the cache's dtype until the
+#: products (``late_cast``), launch options.
+LAUNCH = dict(rows_per_program=1, late_cast=False, num_warps=1)
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    prefetch=_BOOL,
-    split_offsets=_BOOL,
     late_cast=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
@@ -41,19 +36,9 @@ def _settings(given: dict | None, what: str) -> dict:
     return merged
 
 
-def _offset_tiles(n_off: int, split: bool) -> dict:
-    """Register tiles for ``n_off`` offsets: one of the next power of 2, or (``split``) the largest
-    power of 2 that fits and a second tile for the rest (43 offsets: 32 + 16 rows instead of 64)."""
-    whole = triton.next_power_of_2(max(n_off, 1))
-    if not split or whole == n_off:
-        return dict(BLOCK_O=whole, BLOCK_O2=1, HAS_O2=False)
-    first = whole // 2
-    return dict(BLOCK_O=first, BLOCK_O2=triton.next_power_of_2(n_off - first), HAS_O2=True)
-
-
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; ``prefetch``, ``split_offsets`` and ``late_cast`` take 1/0/true/false). For ``arsparse bench --ring-launch``."""
+    (ints; ``late_cast`` takes 1/0/true/false). For ``arsparse bench --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
@@ -93,9 +78,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     offsets : (H, n) int64 backward offsets of each head, -1 for padding
     pos : integer tensor, the query's position (>= P): one for every row, or (B,) one per row
     launch : overrides of :data:`LAUNCH` (for the launch sweep): ``rows_per_program`` rows of one query
-        head per program (its offsets loaded once, a loop over the rows), ``prefetch`` (the loop
-        issues the next row's loads before working on the current row), ``split_offsets`` (two
-        register tiles sized to the offsets instead of one of the next power of 2), ``late_cast`` (K/V tiles in
+        head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
         the cache's dtype until the products), ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
@@ -153,7 +136,6 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     cfg = dict(LAUNCH) if launch is None else _settings(launch, "launch")
     rows = cfg.pop("rows_per_program")
     ring_decode_kernel[(triton.cdiv(B, rows), H)](
-        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_R=triton.next_power_of_2(rows),
-        PREFETCH=cfg.pop("prefetch"), **_offset_tiles(n_off, cfg.pop("split_offsets")), HAS_REST=rest_sums is not None,
-        LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
+        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
+        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), **blocks, **cfg)
     return out
