@@ -81,13 +81,14 @@ def _ring_launch() -> dict | None:
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
-          memory_gb: float | None = None, out: str | None = None, profile: bool = False) -> dict:
+          memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
     default the free GPU memory; backed off by 10% if the step runs out of memory). ``policies`` are
     ``name`` or ``name:key=value,key=value``. With ``out``, the JSON is rewritten after every row. With
-    ``profile``, each row also gets the GPU time per decode step of its top kernels.
+    ``profile``, each row also gets the GPU time per decode step of its top kernels. ``matvec``: the
+    blocks through the Triton matrix-vector kernels (steps of at most 16 rows; see ``Generator``).
     """
     from .engine.throughput import max_batch
     from .policies import get, parse_args
@@ -105,7 +106,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch())
+                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch())
 
     def result() -> dict:
         rows = [asdict(r) for r in rows_out]
@@ -117,7 +118,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
         policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
         budget = policy.prepare(gpt).budget(gpt.layout, cfg.n_layer, cfg.n_head)
         for kernel in kernels:
-            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy)
+            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy, matvec=matvec)
             for want in tqdm(batches, desc=f"bench {spec} {kernel}", unit="batch"):
                 B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
                 for attempt in range(4):
@@ -232,7 +233,7 @@ def cmd_bench(args) -> int:
         ring.LAUNCH = ring.parse_launch(args.ring_launch)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
-                   out=args.out, profile=args.profile)
+                   out=args.out, profile=args.profile, matvec=args.matvec)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
 
@@ -270,6 +271,9 @@ def add_bench_parser(sub) -> None:
                    help="torch.compile the step before capture (slow to build); MODE: "
                         f"{' or '.join(COMPILE_MODES)} (default: default)")
     b.add_argument("--profile", action="store_true", help="also list each row's top GPU kernels per decode step")
+    b.add_argument("--matvec", action="store_true",
+                   help="latency mode: steps of at most 16 rows (batch 8 with guidance) through Triton matrix-vector "
+                        "kernels with the block's norms, RoPE, SwiGLU and residual adds folded in (not with --compile)")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
                         "num_warps, num_stages; see docs/bench/kernel-sweep.sh), recorded in the JSON")

@@ -1,3 +1,8 @@
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -150,3 +155,37 @@ def poisoned_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+module, name, pointers, builds = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(module), name)
+for build, (const, warps) in builds.items():
+    signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n in ("scale", "eps") else "i32")
+                 for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    ok = bool(built.asm["cubin"]) and f".entry {name}" in built.asm["ptx"]
+    print(build, "built" if ok else "EMPTY", flush=True)
+"""
+
+
+def compile_for_hopper(module: str, name: str, pointers: dict, builds: dict) -> None:
+    """Build the Triton kernel ``module.name`` for sm_90 (Triton -> PTX -> cubin) in each of ``builds``
+    ({build: (constexprs, num_warps)}; ``pointers``: argument -> pointer type, the rest i32 or fp32),
+    without a GPU, in a process of its own (the interpreter runs Python: only this shows that the
+    compiled form accepts the code). Skips without Triton's NVIDIA backend or ptxas."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([module, name, pointers, builds])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode and "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip(f"no ptxas to assemble with: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [w for build in builds for w in (build, "built")], run.stdout

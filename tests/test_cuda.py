@@ -301,3 +301,40 @@ def test_masked_t2i_engine_on_gpu(policy):
     assert torch.equal(graphed.sample_tokens(cond, seed=4, cfg_scale=2.0, prompt_mask=mask), eager)
     full = torch.ones_like(mask)
     assert torch.equal(graphed.sample_tokens(cond, seed=4, prompt_mask=full), graphed.sample_tokens(cond, seed=4))
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])
+def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
+    """Teacher forcing through the decode path with the matvec halves (2 rows: the steps and the
+    one-position prefill take the kernels) against the full forward pass."""
+    model = random_gpt("c2i", seed=6, image_tokens=256, n_kv_head=2)
+    cond = random_cond(model, 2)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 256))
+    gen = Generator(model, device="cuda", dtype=dtype, kernel="triton", matvec=True)
+    got = gen.cached_logits(cond, tokens)
+    with torch.no_grad():
+        gen.gpt.unfuse()
+        want = gen.gpt.logits(cond.cuda(), tokens.cuda()).float()
+    assert (got - want).norm() / want.norm() < tol
+
+
+@pytest.mark.parametrize("M", [1, 2, 16])
+def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M):
+    """GPT-XL's projections (dim 1280, 20 heads of 64, SwiGLU 3584) against the torch composition."""
+    import torch.nn.functional as F
+
+    from arsparse.kernels.triton.matvec import matvec
+    from arsparse.models.gpt import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(M)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    x, f, nw = r(M, 1280), r(M, 1280), 1 + 0.1 * r(1280)
+    wqkv, w1, w3, w2 = r(3840, 1280) / 36, r(3584, 1280) / 36, r(3584, 1280) / 36, r(1280, 3584) / 60
+    tol = dict(atol=3e-2, rtol=3e-2)
+    y, xs = matvec(x, wqkv, add=f, norm=(nw, 1e-5))
+    torch.testing.assert_close(xs, x + f, atol=0, rtol=0)
+    torch.testing.assert_close(y, F.linear(rms_norm(x + f, nw, 1e-5), wqkv), **tol)
+    h = rms_norm(x, nw, 1e-5)
+    torch.testing.assert_close(matvec(x, w1, norm=(nw, 1e-5), w_up=w3), F.silu(F.linear(h, w1)) * F.linear(h, w3), **tol)
+    gate = r(M, 3584)
+    torch.testing.assert_close(matvec(gate, w2, residual=x), x + F.linear(gate, w2), **tol)

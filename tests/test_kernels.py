@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from arsparse.kernels.reference import decode_attention_ref, ring_decode_attention_ref  # noqa: E402
 from arsparse.kernels.triton import decode_attention, ring_decode_attention  # noqa: E402
-from conftest import random_decode_case, random_offsets, random_ring_case, random_span, row_positions  # noqa: E402
+from conftest import (compile_for_hopper, random_decode_case, random_offsets, random_ring_case,  # noqa: E402
+                      random_span, row_positions)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -342,41 +343,12 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
                          4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True), 2),
 }
-_COMPILE = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from arsparse.kernels.triton._ring import ring_decode_kernel as kernel
-
-pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
-                **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
-for name, (const, warps) in json.loads(sys.argv[1]).items():
-    const = dict(const, BLOCK_O=64, BLOCK_S=4)
-    signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32")
-                 for n in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
-    built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    ok = bool(built.asm["cubin"]) and ".entry ring_decode_kernel" in built.asm["ptx"]
-    print(name, "built" if ok else "EMPTY", flush=True)
-"""
-
-
 def test_ring_kernel_compiles_for_hopper():
     """The kernel as the GPU compiles it (Triton -> PTX -> cubin for sm_90), without a GPU, in a
     process of its own (this module runs the interpreter): the interpreter runs Python, so this is
-    what shows that the compiled form accepts the code (loop-carried values, masks, the helpers'
-    tuples) in each build the engine and the launch sweep use."""
-    import json
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(RING_BUILDS)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    if run.returncode and "ptxas" in run.stderr and "not found" in run.stderr.lower():
-        pytest.skip(f"no ptxas to assemble with: {run.stderr[-300:]}")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == [w for name in RING_BUILDS for w in (name, "built")], run.stdout
+    what shows that the compiled form accepts the code (loop-carried values, masks, tuples) in each
+    build the engine and the launch sweep use."""
+    pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
+                    **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
+    builds = {name: (dict(const, BLOCK_O=64, BLOCK_S=4), warps) for name, (const, warps) in RING_BUILDS.items()}
+    compile_for_hopper("arsparse.kernels.triton._ring", "ring_decode_kernel", pointers, builds)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +36,15 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}")
     return _DTYPES[dtype]
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    """Triton kernels can run on ``device``: CUDA, or the CPU in the interpreter (tests); triton installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def bucket(n: int) -> int:
@@ -231,10 +241,16 @@ class Generator:
         server's ``--compile``). The fixed-batch engine keeps static shapes (default: off).
     policy : str or Policy, optional
         Sparse-attention policy (see ``arsparse policies``); default dense.
+    matvec : bool, optional
+        Decode steps of at most 16 rows (batch 8 with guidance) through Triton matrix-vector kernels
+        with RMSNorm, RoPE, SwiGLU and the residual adds folded in: five launches per block
+        (:mod:`arsparse.models.matvec_blocks`; latency mode). Not with ``compile``; CUDA, or the
+        CPU under ``TRITON_INTERPRET=1`` (default: off).
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
-                 kernel: str | None = None, compile: bool | str = False, policy=None, compile_dynamic: bool = False):
+                 kernel: str | None = None, compile: bool | str = False, policy=None, compile_dynamic: bool = False,
+                 matvec: bool = False):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -252,8 +268,15 @@ class Generator:
             raise ValueError(f"unknown compile mode {compile!r}; choose one of {', '.join(COMPILE_MODES)} "
                              f"(or True / False)")
         self.compile = mode is not None
+        if matvec and (self.compile or not _triton_runs_on(self.device)):
+            raise ValueError("matvec=True takes neither compile nor a device Triton cannot run on (CUDA, or the CPU "
+                             f"under TRITON_INTERPRET=1); got compile={compile!r}, device {self.device}")
         if self.compile:
             self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
+        elif matvec:
+            from ..models.matvec_blocks import HALVES
+
+            self.gpt.fuse(None, halves=HALVES)
         else:
             self.gpt.unfuse()
         from ..policies import resolve

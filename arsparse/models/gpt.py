@@ -230,16 +230,19 @@ class GPT(nn.Module):
         self.layout = Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
         self.fused = None
 
-    def fuse(self, compiler=None) -> "GPT":
+    def fuse(self, compiler=None, halves=None) -> "GPT":
         """Run each block as two functions of tensors (``block_in``, ``block_out``), through ``compiler``.
 
         ``gpt.fuse(torch.compile)`` compiles each half once for all layers (the weights are arguments),
         which turns a decode step's ~50 small kernels per layer into ~10. ``gpt.fuse(None)`` runs the
         same composition uncompiled; ``gpt.unfuse()`` returns to the module path. The fused path is
-        for inference: it has no dropout, in ``train()`` mode too.
+        for inference: it has no dropout, in ``train()`` mode too. ``halves``: other functions of the
+        same signatures (:mod:`arsparse.models.matvec_blocks`: decode steps of a few rows through
+        Triton matrix-vector kernels).
         """
         wrap = compiler or (lambda fn: fn)
-        self.fused = (wrap(block_in), wrap(block_out))
+        first, second = halves or (block_in, block_out)
+        self.fused = (wrap(first), wrap(second))
         return self
 
     def unfuse(self) -> "GPT":

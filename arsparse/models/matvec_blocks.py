@@ -1,0 +1,52 @@
+"""A transformer block's two halves for decode steps of a few rows (batch 1 and latency mode).
+
+Same signatures and results as :func:`arsparse.models.gpt.block_in` and ``block_out`` (``gpt.fuse(None,
+halves=HALVES)``), in five launches per block instead of about ten: each projection is one
+:func:`arsparse.kernels.triton.matvec.matvec` with the work around it folded in —
+
+- RMSNorm + wqkv + RoPE (and the previous block's residual add),
+- wo + the residual add,
+- RMSNorm + w1 and w3 + SiLU * gate (SwiGLU's first half, both weights in one kernel),
+- w2.
+
+Steps of more rows, or of several positions (prefill), take the PyTorch halves.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.triton.matvec import MAX_ROWS, matvec
+from . import gpt
+
+
+def _decode_rows(x: torch.Tensor) -> bool:
+    return x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and x.is_contiguous()
+
+
+def block_in(x, f, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
+    if not _decode_rows(x) or (f is not None and not f.is_contiguous()):
+        return gpt.block_in(x, f, norm_w, wqkv, rope, n_head, n_kv, eps)
+    B, T, dim = x.shape
+    D = wqkv.shape[0] // (n_head + 2 * n_kv)
+    table = rope if rope.dim() == 3 else rope.reshape(B, D // 2, 2)  # (1, D/2, 2) shared, or one per row
+    args = dict(norm=(norm_w, eps), rope=(table.contiguous(), (n_head + n_kv) * D, D))
+    if f is None:
+        y = matvec(x.view(B, dim), wqkv, **args)
+    else:
+        y, xs = matvec(x.view(B, dim), wqkv, add=f.view(B, dim), **args)
+        x = xs.view(B, T, dim)
+    y = y.view(B, T, n_head + 2 * n_kv, D)
+    q, k, v = y.split([n_head, n_kv, n_kv], dim=2)  # (B, T, heads, D) views
+    return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
+    if not _decode_rows(x) or not attn.is_contiguous():
+        return gpt.block_out(x, attn, wo, norm_w, w1, w3, w2, eps)
+    B, T, dim = x.shape
+    h = matvec(attn.view(B, -1), wo, residual=x.view(B, dim))
+    g = matvec(h, w1, norm=(norm_w, eps), w_up=w3)
+    return h.view(B, T, dim), matvec(g, w2).view(B, T, dim)
+
+
+HALVES = (block_in, block_out)
