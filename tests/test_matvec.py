@@ -72,6 +72,8 @@ def test_matvec_rejects_bad_input():
         matvec(x, w, residual=torch.randn(2, 15))
     with pytest.raises(ValueError, match="w_up must be"):
         matvec(x, w, w_up=w.half())
+    with pytest.raises(ValueError, match=r"unknown matvec launch settings \['rows'\]"):
+        matvec(x, w, launch=dict(rows=2))
     with pytest.raises(ValueError, match="the rope table must be"):
         matvec(x, w, rope=(torch.randn(2, 3, 2), 16, 8))
 

@@ -244,8 +244,8 @@ class Generator:
     matvec : bool, optional
         Decode steps of at most 16 rows (batch 8 with guidance) through Triton matrix-vector kernels
         with RMSNorm, RoPE, SwiGLU and the residual adds folded in: five launches per block
-        (:mod:`arsparse.models.matvec_blocks`; latency mode). Not with ``compile``; CUDA, or the
-        CPU under ``TRITON_INTERPRET=1`` (default: off).
+        (:mod:`arsparse.models.matvec_blocks`; latency mode); on a GPU the sampling is compiled. Not
+        with ``compile``; CUDA, or the CPU under ``TRITON_INTERPRET=1`` (default: off).
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
@@ -271,6 +271,8 @@ class Generator:
         if matvec and (self.compile or not _triton_runs_on(self.device)):
             raise ValueError("matvec=True takes neither compile nor a device Triton cannot run on (CUDA, or the CPU "
                              f"under TRITON_INTERPRET=1); got compile={compile!r}, device {self.device}")
+        # the sampling compiled too: with the blocks, or beside the matvec blocks on a GPU
+        self._compile_step = self.compile or (matvec and self.device.type == "cuda")
         if self.compile:
             self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
         elif matvec:
@@ -314,7 +316,7 @@ class Generator:
     def _runner_for(self, plan: _Plan) -> _Runner:
         if self._runner is None or self._runner.plan != plan:
             self.release()  # free the old cache before allocating the new one
-            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self.compile,
+            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self._compile_step,
                                    self.policy)
         return self._runner
 

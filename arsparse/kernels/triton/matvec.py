@@ -13,9 +13,9 @@ from ._matvec import matvec_kernel
 
 #: Rows one launch takes (each weight tile is multiplied into every row in registers).
 MAX_ROWS = 16
-#: Launch settings: weight rows per program, the reduction's chunk, warps, stages (not yet swept on a GPU).
-LAUNCH = dict(block_n=8, block_k=512, num_warps=4, num_stages=2)
-_TILE = 8192
+#: Launch settings (not yet swept on a GPU): weight rows per program, the reduction's chunk (cut so
+#: that the (rows, block_n, block_k) product tile holds at most max_tile elements), warps, stages.
+LAUNCH = dict(block_n=8, block_k=512, max_tile=8192, num_warps=4, num_stages=2)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
@@ -61,6 +61,9 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         _check("residual", residual, (M, N), x.dtype, x.device)
     if norm is not None:
         _check("the norm weight", norm[0], (K,), x.dtype, x.device)
+    unknown = set(launch or {}) - set(LAUNCH)
+    if unknown:
+        raise ValueError(f"unknown matvec launch settings {sorted(unknown)}; allowed: {sorted(LAUNCH)}")
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
     if rope is not None:
@@ -72,8 +75,8 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         srope = 0 if table.shape[0] == 1 else table.stride(0)
     else:
         table, rope_hi, head_dim, srope = x, 0, 2, 0
-    bm = triton.next_power_of_2(M)  # the (BM, BN, BK) product tile stays at most _TILE elements
-    bk = max(16, min(cfg.pop("block_k"), triton.next_power_of_2(K), _TILE // (bm * bn)))
+    bm = triton.next_power_of_2(M)
+    bk = max(16, min(cfg.pop("block_k"), triton.next_power_of_2(K), cfg.pop("max_tile") // (bm * bn)))
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     xs = torch.empty_like(x) if add is not None else x
     dummy = x  # (pointers of absent operands: never read)
