@@ -114,11 +114,11 @@ def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, 
     _same(inputs[3:5], [want_k, want_v])
 
 
-RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, blocks of rows, cache-dtype tiles
+RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, blocks of rows, cache-dtype tiles, grid order
     "engine": None,
     "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),
     "rows8": dict(rows_per_program=8, num_warps=4, num_stages=3),
-    "rows5-nw2": dict(rows_per_program=5, num_warps=2),
+    "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
 }
 
 

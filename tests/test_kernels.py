@@ -76,8 +76,8 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(q, new, new, kv, kv, torch.tensor(3.0))
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4)],
-                         ids=["engine", "rows2-late", "rows4"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True), dict(rows_per_program=4, heads_first=True)],
+                         ids=["engine", "rows2-late", "rows4-heads-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -125,10 +125,11 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
 
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
-              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4)]
+              dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
+              dict(rows_per_program=3, heads_first=True)]
 
 
-@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8"])
+@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-heads-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
@@ -337,11 +338,14 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
 
 
 RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
-    "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False), 1),
-    "rows4-span-rest": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True, LATE_CAST=False), 1),
-    "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True),
-                         4),
-    "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True), 2),
+    "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
+                    HEADS_FIRST=False), 1),
+    "rows4-span-rest-heads-first": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
+                                         LATE_CAST=False, HEADS_FIRST=True), 1),
+    "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True,
+                              HEADS_FIRST=False), 4),
+    "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True,
+                             HEADS_FIRST=False), 2),
 }
 def test_ring_kernel_compiles_for_hopper():
     """The kernel as the GPU compiles it (Triton -> PTX -> cubin for sm_90), without a GPU, in a

@@ -9,11 +9,12 @@
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
 # time the ring kernel (2-D tiles of one head, rows_per_program rows per program in a loop
-# pipelined num_stages deep) by rows_per_program, late_cast (K/V tiles in bf16 until the
-# products), num_warps and num_stages: every setting is built first, then timed in three
+# pipelined num_stages deep) by rows_per_program, heads_first (a grid of (heads, row blocks): the
+# programs launched together share a row), late_cast (K/V tiles in bf16 until the products),
+# num_warps and num_stages: every setting is built first, then timed in three
 # interleaved rounds (median of each, and the spread between rounds: timed 100 times right after its
 # compile, as before run 7, one setting took 74 us in one call and 124 us in the next); "ring-best": the
-# fastest of each rows_per_program x late_cast; "ring-rows" gives each row its own position
+# fastest of each rows_per_program x heads_first x late_cast; "ring-rows" gives each row its own position
 # (continuous batching): the engine's setting and the fastest one. (Runs 6 and 7 also timed forms
 # since removed: 3-D tiles of a block of heads per program, one program per (rows, kv head)
 # reading the ring in chunks, the next row's loads issued first by hand, and the offsets in two
@@ -91,8 +92,9 @@ def sweep_ring(rows):
     engine = dict(ring.LAUNCH)
     want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
-    settings = [dict(rows_per_program=rw, num_warps=nw, num_stages=ns)
-                for rw, nw, ns in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 3)) if rw > 1 or ns == 3]
+    settings = [dict(rows_per_program=rw, heads_first=hf, num_warps=nw, num_stages=ns)
+                for rw, hf, nw, ns in itertools.product((1, 2, 4, 8), (False, True), (1, 2, 4), (1, 3))
+                if (rw > 1 or ns == 3) and (nw < 4 or not hf)]
     fns, oks = {}, {}
     for setting, late in itertools.product(settings, (False, True)):
         launch = dict(setting, late_cast=late)
@@ -107,7 +109,7 @@ def sweep_ring(rows):
         rows.append(dict(kernel="ring", **dict(key), us=us, spread_us=spread, gb_s=nbytes / us / 1e3, read=nread,
                          ok=oks[key]))
     ring_rows = [x for x in rows if x["kernel"] == "ring"]
-    key = lambda x: (x["rows_per_program"], x["late_cast"])
+    key = lambda x: (x["rows_per_program"], x["heads_first"], x["late_cast"])
     extra = [dict(min((x for x in ring_rows if key(x) == v), key=lambda x: x["us"]), kernel="ring-best")
              for v in sorted({key(x) for x in ring_rows})]
     top = sorted((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])[:3]

@@ -30,18 +30,22 @@ def ring_decode_kernel(
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
-    LATE_CAST: tl.constexpr,
+    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
     the sinks written so far and the ring slots of pos - offsets, each in one 2-D tile (rows, BD).
     The last query head of each kv head writes the new token.
 
+    ``HEADS_FIRST``: the grid is (heads, row blocks), so programs launched together share a row
+    (whose heads' K/V are adjacent in memory) rather than a head.
+
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
     reads (they already hold the new token).
     """
-    h = tl.program_id(1)
+    h = tl.program_id(0 if HEADS_FIRST else 1)
+    block = tl.program_id(1 if HEADS_FIRST else 0)  # the block of ROWS rows
     hk = h // G
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -50,7 +54,7 @@ def ring_decode_kernel(
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
     for r in tl.range(0, ROWS):
-        row = tl.program_id(0) * ROWS + r
+        row = block * ROWS + r
         live = row < B
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos)
