@@ -79,6 +79,12 @@ def _ring_launch() -> dict | None:
     return dict(ring.LAUNCH)
 
 
+def _matvec_launch() -> dict:
+    from .kernels.triton import matvec
+
+    return dict(matvec.LAUNCH)
+
+
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False) -> dict:
@@ -106,7 +112,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch())
+                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch(),
+                matvec_launch=_matvec_launch() if matvec else None)
 
     def result() -> dict:
         rows = [asdict(r) for r in rows_out]
@@ -231,6 +238,10 @@ def cmd_bench(args) -> int:
         from .kernels.triton import ring
 
         ring.LAUNCH = ring.parse_launch(args.ring_launch)
+    if args.matvec_launch:  # the matvec kernel's, likewise (docs/bench/matvec-sweep.sh writes one)
+        from .kernels.triton import matvec
+
+        matvec.LAUNCH = matvec.parse_launch(args.matvec_launch)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile, matvec=args.matvec)
@@ -277,6 +288,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
                         "num_warps, num_stages; see docs/bench/kernel-sweep.sh), recorded in the JSON")
+    b.add_argument("--matvec-launch", metavar="JSON",
+                   help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "
+                        "(block_n, block_k, max_tile, num_warps, num_stages), recorded in the JSON")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

@@ -62,6 +62,16 @@ def test_matvec_rope_rotates_q_and_k_columns_only(poisoned_empty, rows_table, dt
     torch.testing.assert_close(got[:, (H + Hkv) * D:], plain[:, (H + Hkv) * D:], atol=0, rtol=0)
 
 
+def test_matvec_launch_settings_parse_and_reject_bad_ones():
+    from arsparse.kernels.triton import matvec as mv
+
+    assert mv.parse_launch('{"block_n": 16, "num_warps": 8}') == dict(mv.LAUNCH, block_n=16, num_warps=8)
+    for text, msg in (("block_n=16", "must be a JSON object"), ('{"rows": 2}', "keys from"),
+                      ('{"block_k": 300}', "power of 2"), ('{"block_n": 1}', ">= 2"), ('{"num_stages": 0}', "positive")):
+        with pytest.raises(ValueError, match=msg):
+            mv.parse_launch(text)
+
+
 def test_matvec_rejects_bad_input():
     x, w = torch.randn(2, 32), torch.randn(16, 32)
     with pytest.raises(ValueError, match=f"1 <= M <= {MAX_ROWS}"):

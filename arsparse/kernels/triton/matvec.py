@@ -6,6 +6,8 @@ transformer block's projections folded in (RMSNorm, the residual adds, SwiGLU's 
 """
 from __future__ import annotations
 
+import json
+
 import torch
 import triton
 
@@ -16,6 +18,23 @@ MAX_ROWS = 16
 #: Launch settings (not yet swept on a GPU): weight rows per program, the reduction's chunk (cut so
 #: that the (rows, block_n, block_k) product tile holds at most max_tile elements), warps, stages.
 LAUNCH = dict(block_n=8, block_k=512, max_tile=8192, num_warps=4, num_stages=2)
+
+
+def parse_launch(text: str) -> dict:
+    """``'{"block_n": 16, "num_warps": 8}'`` -> :data:`LAUNCH` with those settings (positive ints,
+    block sizes powers of 2). For ``arsparse bench --matvec-launch``."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"matvec launch settings must be a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(given, dict) or set(given) - set(LAUNCH):
+        raise ValueError(f"matvec launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
+    for k, v in given.items():
+        pow2 = k in ("block_n", "block_k", "max_tile", "num_warps")
+        if type(v) is not int or v < 1 or (pow2 and v & (v - 1)) or (k == "block_n" and v < 2):
+            raise ValueError(f"matvec launch setting {k}={v!r} must be a positive int"
+                             f"{' and a power of 2' if pow2 else ''}{' >= 2' if k == 'block_n' else ''}")
+    return dict(LAUNCH, **given)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
