@@ -94,8 +94,8 @@ def test_matvec_rejects_bad_input():
                          ids=["c2i-dense", "t2i-diagonal"])
 def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, policy):
     """The whole decode loop (guidance: 2 rows per image, 3 images) through the matvec halves gives
-    the PyTorch halves' tokens, with every decode step's four projections in the kernel (a caption
-    prefill of several positions takes the PyTorch halves)."""
+    the PyTorch halves' tokens, with every decode step's four projections and its head in the kernel
+    (a caption prefill of several positions takes the PyTorch halves, then the kernel's head)."""
     from arsparse import Generator
     from arsparse.models import matvec_blocks
     from conftest import random_cond, random_gpt
@@ -117,9 +117,9 @@ def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, polic
         got = make(matvec=True).sample_tokens(cond, **kw)
     finally:
         matvec_blocks.matvec = real
-    cfg = model.config  # every decode step, and a prefill of one position (a class token), 4 per block
-    steps = cfg.image_tokens - 1 + (cfg.cls_token_num == 1)
-    assert calls == [6] * (steps * cfg.n_layer * 4)
+    cfg = model.config  # 4 per block at every decode step and a prefill of one position (a class token),
+    steps = cfg.image_tokens - 1 + (cfg.cls_token_num == 1)  # and the final norm + head after every pass
+    assert calls == [6] * (steps * cfg.n_layer * 4 + cfg.image_tokens)
     assert torch.equal(got, want)
 
 

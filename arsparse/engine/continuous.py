@@ -359,10 +359,10 @@ class SlotDecoder:
             cache.set_row_masks(cache.prefill_rows, mask.repeat_interleave(self.G, dim=0))  # guidance rows alike
         cache.phase = "prefill"
         try:
-            hidden = gpt.forward_hidden(gpt.embed_cond(cond), self._prompt_pos, cache)  # (G * k, P, dim)
+            logits = gpt.next_logits(gpt.embed_cond(cond), self._prompt_pos, cache)  # (G * k, V)
         finally:
             cache.phase = "decode"
-        tok = self._sample(gpt.head(hidden[:, -1]), idx, *self._filters(slots))
+        tok = self._sample(logits, idx, *self._filters(slots))
         self.cur[idx] = tok
         self.out[idx, 0] = tok
         self.step_idx.index_fill_(0, idx, 1)
@@ -412,8 +412,8 @@ class SlotDecoder:
         pos = (step + (self.P - 1)).clamp_max(self.max_pos)
         cache.pos[: G * w] = pos.repeat_interleave(G)
         h = gpt.tok_embeddings(self.cur[:w].repeat_interleave(G)[:, None])  # (G * w, 1, dim)
-        hidden = gpt.forward_hidden(h, cache.pos[: G * w, None], cache)
-        tok = self._sample(gpt.head(hidden[:, 0]), slice(0, w), kmax, use_top_p)
+        logits = gpt.next_logits(h, cache.pos[: G * w, None], cache)
+        tok = self._sample(logits, slice(0, w), kmax, use_top_p)
         col = torch.where(running, step, self.N)  # idle slots write the scratch column
         self.out[:w].scatter_(1, col[:, None], tok[:, None])
         self.cur[:w] = tok

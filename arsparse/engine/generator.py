@@ -158,19 +158,19 @@ class _Runner:
             cond = torch.cat([cond, gpt.null_cond(cond)])
         cache.phase = "prefill"
         h = gpt.embed_cond(cond)  # (R, P, dim)
-        hidden = gpt.forward_hidden(h, torch.arange(self.P, device=h.device), cache)
+        logits = gpt.next_logits(h, torch.arange(self.P, device=h.device), cache)
         cache.pos.fill_(self.P)
         cache.phase = "decode"
-        return gpt.head(hidden[:, -1])
+        return logits
 
     def step_logits(self) -> torch.Tensor:
         """Feed ``cur`` at ``cache.pos`` and advance; -> next-token logits (R, V). All on the device."""
         gpt, cache = self.gpt, self.cache
         x = torch.cat([self.cur, self.cur]) if self.plan.cfg else self.cur
         h = gpt.tok_embeddings(x[:, None])  # (R, 1, dim)
-        hidden = gpt.forward_hidden(h, cache.pos.view(1), cache)
+        logits = gpt.next_logits(h, cache.pos.view(1), cache)
         cache.pos.add_(1)
-        return gpt.head(hidden[:, 0])
+        return logits
 
     def _emit(self, logits: torch.Tensor, step: torch.Tensor) -> None:
         tok = self._sample(logits, step)

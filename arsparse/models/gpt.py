@@ -88,6 +88,11 @@ def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
     return h, swiglu(rms_norm(h, norm_w, eps), w1, w3, w2)
 
 
+def final_logits(h, f, norm_w, out_w, eps: float):
+    """The last block's residual add, the final RMSNorm and the output head -> fp32 logits."""
+    return F.linear(rms_norm(h + f, norm_w, eps), out_w).float()
+
+
 def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
     """Stochastic depth of a residual branch x (B, ...): zero it for a random ``p`` of the rows, scale the rest."""
     keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1.0 - p)  # (B, 1, ...)
@@ -199,9 +204,9 @@ class TransformerBlock(nn.Module):
         return h + (drop_path(f, p) if p else f)
 
     def forward_fused(self, x, f, rope, layer, backend, fused):
-        """The block through ``fused`` = (block_in, block_out), possibly compiled: x, f (the previous
+        """The block through ``fused`` = (block_in, block_out, ...), possibly compiled: x, f (the previous
         block's output as the pair whose sum it is; f None for the first block) -> this block's pair."""
-        first, second = fused
+        first, second = fused[:2]
         a, ff = self.attention, self.feed_forward
         x, q, k, v = first(x, f, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv,
                            self.attention_norm.eps)
@@ -236,13 +241,13 @@ class GPT(nn.Module):
         ``gpt.fuse(torch.compile)`` compiles each half once for all layers (the weights are arguments),
         which turns a decode step's ~50 small kernels per layer into ~10. ``gpt.fuse(None)`` runs the
         same composition uncompiled; ``gpt.unfuse()`` returns to the module path. The fused path is
-        for inference: it has no dropout, in ``train()`` mode too. ``halves``: other functions of the
-        same signatures (:mod:`arsparse.models.matvec_blocks`: decode steps of a few rows through
-        Triton matrix-vector kernels).
+        for inference: it has no dropout, in ``train()`` mode too. A third function, ``final_logits``,
+        takes the last position's residual add, final norm and head (:meth:`next_logits`).
+        ``halves``: other functions of the same signatures, all three (:mod:`arsparse.models.matvec_blocks`:
+        steps of a few rows through Triton matrix-vector kernels).
         """
         wrap = compiler or (lambda fn: fn)
-        first, second = halves or (block_in, block_out)
-        self.fused = (wrap(first), wrap(second))
+        self.fused = tuple(wrap(fn) for fn in (halves or (block_in, block_out, final_logits)))
         return self
 
     def unfuse(self) -> "GPT":
@@ -285,12 +290,9 @@ class GPT(nn.Module):
         return self.tok_embeddings.weight.dtype
 
     # ---- forward -------------------------------------------------------------
-    def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
-        """h (B, T, dim) at sequence ``positions`` -> normalised hidden states (B, T, dim).
-
-        ``positions`` is (T,), shared by every row, or (B, T), one row each (continuous batching,
-        where sequences that joined at different steps decode side by side).
-        """
+    def _blocks(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None):
+        """The layers -> (h, f): the residual stream and, on the fused path, the last block's
+        feed-forward output still to be added to it (None on the module path)."""
         if positions.dim() == 1:
             rope = self.rope.index_select(0, positions)  # (T, D/2, 2)
         else:
@@ -298,11 +300,29 @@ class GPT(nn.Module):
         if self.fused is None:
             for i, layer in enumerate(self.layers):
                 h = layer(h, rope, i, backend)
-            return self.norm(h)
+            return h, None
         f = None
         for i, layer in enumerate(self.layers):
             h, f = layer.forward_fused(h, f, rope, i, backend, self.fused)
-        return self.norm(h + f)
+        return h, f
+
+    def forward_hidden(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
+        """h (B, T, dim) at sequence ``positions`` -> normalised hidden states (B, T, dim).
+
+        ``positions`` is (T,), shared by every row, or (B, T), one row each (continuous batching,
+        where sequences that joined at different steps decode side by side).
+        """
+        h, f = self._blocks(h, positions, backend)
+        return self.norm(h if f is None else h + f)
+
+    def next_logits(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
+        """h (B, T, dim) at ``positions`` -> fp32 logits (B, vocab) of the token after the last position
+        (a prefill's or a decode step's output): the blocks, then the final norm and the head on the
+        last position only (fused: one function of them, ``final_logits`` or the halves' own)."""
+        h, f = self._blocks(h, positions, backend)
+        if f is None:
+            return self.head(self.norm(h[:, -1]))
+        return self.fused[2](h[:, -1], f[:, -1], self.norm.weight, self.output.weight, self.norm.eps)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(h).float()

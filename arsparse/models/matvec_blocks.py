@@ -1,14 +1,16 @@
 """A transformer block's two halves for decode steps of a few rows (batch 1 and latency mode).
 
-Same signatures and results as :func:`arsparse.models.gpt.block_in` and ``block_out`` (``gpt.fuse(None,
-halves=HALVES)``), in five launches per block instead of about ten: each projection is one
-:func:`arsparse.kernels.triton.matvec.matvec` with the work around it folded in —
+Same signatures and results as :func:`arsparse.models.gpt.block_in`, ``block_out`` and
+``final_logits`` (``gpt.fuse(None, halves=HALVES)``), in five launches per block instead of about
+ten: each projection is one :func:`arsparse.kernels.triton.matvec.matvec` with the work around it
+folded in —
 
 - RMSNorm + wqkv + RoPE (and the previous block's residual add),
 - wo + the residual add,
 - RMSNorm + w1 and w3 + SiLU * gate (SwiGLU's first half, both weights in one kernel),
-- w2.
+- w2;
 
+and after the last block, its residual add + the final RMSNorm + the output head in one launch.
 Steps of more rows, or of several positions (prefill), take the PyTorch halves.
 """
 from __future__ import annotations
@@ -49,4 +51,10 @@ def block_out(x, attn, wo, norm_w, w1, w3, w2, eps: float):
     return h.view(B, T, dim), matvec(g, w2).view(B, T, dim)
 
 
-HALVES = (block_in, block_out)
+def final_logits(h, f, norm_w, out_w, eps: float):
+    if h.shape[0] > MAX_ROWS:
+        return gpt.final_logits(h, f, norm_w, out_w, eps)
+    return matvec(h, out_w, add=f, norm=(norm_w, eps))[0].float()
+
+
+HALVES = (block_in, block_out, final_logits)

@@ -121,15 +121,15 @@ def sample_prefix(gpt, cond: torch.Tensor, n: int, seed: int = 0, temperature: f
         return torch.multinomial((logits / temperature).softmax(-1), 1, generator=g)[:, 0]
 
     cache.phase = "prefill"
-    hidden = gpt.forward_hidden(gpt.embed_cond(cond), torch.arange(P, device=device), cache)
+    logits = gpt.next_logits(gpt.embed_cond(cond), torch.arange(P, device=device), cache)
     cache.pos.fill_(P)
     cache.phase = "decode"
-    out = [pick(gpt.head(hidden[:, -1]))]
+    out = [pick(logits)]
     for _ in range(n - 1):
         h = gpt.tok_embeddings(out[-1].to(device)[:, None])  # (B, 1, dim)
-        hidden = gpt.forward_hidden(h, cache.pos.view(1), cache)
+        logits = gpt.next_logits(h, cache.pos.view(1), cache)
         cache.pos.add_(1)
-        out.append(pick(gpt.head(hidden[:, 0])))
+        out.append(pick(logits))
     return torch.stack(out, dim=1).to(device)
 
 
