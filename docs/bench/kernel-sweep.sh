@@ -2,9 +2,10 @@
 # Launch-option sweep of the three decode kernels at GPT-XL / 576 tokens / batch 256 with guidance
 # (512 rows, 20 heads, head_dim 64, bf16), mid-generation (query at position 300). On the H200:
 #   bash docs/bench/kernel-sweep.sh [dense,ring,slots]   -> a table of us/call and GB/s (the kernels
-#   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>.json;
+#   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>_<rows>.json;
 #   ring also writes its best setting of the engine's kernel to $OUT/ring_best.txt (the best three
 #   to ring_top.txt), for `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call
+# ROWS=2 (environment) times batch 1 with guidance instead of 512 rows (batch 256).
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
@@ -29,7 +30,7 @@ from arsparse.layout import Layout
 from arsparse.policies import get
 
 dev, dt = "cuda", torch.bfloat16
-B, H, D, S, pos = 512, 20, 64, 577, 300
+B, H, D, S, pos = int(os.environ.get("ROWS", 512)), 20, 64, 577, 300
 g = torch.Generator(device=dev).manual_seed(0)
 r = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=g)
 q, k_new, v_new = r(B, H, D), r(B, H, D), r(B, H, D)
@@ -37,8 +38,10 @@ p = torch.tensor(pos, device=dev)
 fmt = lambda x: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in x.items()}
 
 def timeit(fn):
-    """Median us of a call, after 100 ms of calls (the clocks fall while the host compiles)."""
-    return triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median") * 1e3
+    """Median us of a call replayed from a CUDA graph (at 2 rows a kernel takes a few us, less than
+    the wrapper's host time), after 100 ms of replays (the clocks fall while the host compiles)."""
+    triton.testing.do_bench_cudagraph(fn, rep=100)
+    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
 
 def rounds(fns, n=3):
     """{name: (median, spread) us} over n interleaved rounds of every fn (built and warmed first):
@@ -59,18 +62,25 @@ def report(rows, kname, engine, extra=()):
     for x in extra:
         print("   ", fmt(x))
 
+def rotating(make, nbytes):
+    """A cycle of enough sets of buffers (``make()`` each, ``nbytes`` per set) that one pass over
+    them (> 150 MB) does not fit in the 50 MB L2: a step reads every layer's cache once, so at few
+    rows the sweep must not time the cache. One set at 512 rows."""
+    return itertools.cycle([make() for _ in range(max(1, -(-150 * 2**20 // nbytes)))])
+
 def sweep_dense(rows):
     """Reads pos positions of K and V (the new token comes from registers)."""
-    k, v = r(B, H, S, D), r(B, H, S, D)
+    kvs = rotating(lambda: (r(B, H, S, D), r(B, H, S, D)), 2 * B * H * S * D * 2)
+    k, v = next(kvs)
     nbytes = B * H * (pos + 1) * D * 2 * 2
     engine = (decode.BLOCK_N, dict(decode.SPLIT_LAUNCH))
     for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
         decode.BLOCK_N, decode.SPLIT_LAUNCH = bn, dict(num_warps=nw, num_stages=ns)
-        us = timeit(lambda: decode_attention(q, k_new, v_new, k, v, p))
+        us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p))
         rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
     decode.BLOCK_N, decode.SPLIT_LAUNCH = engine
     p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
-    us = timeit(lambda: decode_attention(q, k_new, v_new, k, v, p_rows))
+    us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p_rows))
     rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2
     extra = [dict(kernel="dense-rows", us=us, gb_s=rows_bytes / us / 1e3)]
     at = p.view(1)
@@ -85,12 +95,14 @@ def sweep_ring(rows):
     lay, pol = Layout(1, 24, 24), get("diagonal")
     offs = pol.offset_table(lay, 1, H)[0].to(dev)
     Wn, Sn = pol.window(lay, 1, H), pol.sink_count(lay)
-    bufs = [r(B, H, n, D) for n in (1, 1, Sn + 1, Sn + 1, Wn, Wn)]  # prompt, sink and ring K/V
+    sizes = (1, 1, Sn + 1, Sn + 1, Wn, Wn)  # prompt, sink and ring K/V
+    sets = rotating(lambda: [r(B, H, n, D) for n in sizes], B * H * sum(sizes) * D * 2)
+    bufs = next(sets)  # (checks read this set; timings take the next set at each call)
     nread = 1 + Sn + int((offs >= 0).sum(1).float().mean())
     nbytes = B * H * nread * D * 2 * 2
-    args = lambda pp: (q, k_new, v_new, *bufs, offs, pp, Sn)
+    args = lambda pp, bufs=None: (q, k_new, v_new, *(bufs or next(sets)), offs, pp, Sn)
     engine = dict(ring.LAUNCH)
-    want = ring_decode_attention(*args(p)).float()  # the engine's output: every setting must agree
+    want = ring_decode_attention(*args(p, bufs)).float()  # the engine's output: every setting must agree
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
     settings = [dict(rows_per_program=rw, heads_first=hf, num_warps=nw, num_stages=ns)
                 for rw, hf, nw, ns in itertools.product((1, 2, 4, 8), (False, True), (1, 2, 4), (1, 3))
@@ -100,7 +112,7 @@ def sweep_ring(rows):
         launch = dict(setting, late_cast=late)
         try:  # build and check every setting first
             key = tuple(launch.items())
-            oks[key] = agrees(ring_decode_attention(*args(p), launch=launch))
+            oks[key] = agrees(ring_decode_attention(*args(p, bufs), launch=launch))
             fns[key] = lambda launch=launch: ring_decode_attention(*args(p), launch=launch)
         except Exception as e:  # (a setting that does not compile is a row, not the end of the sweep)
             print("ring", launch, "failed:", type(e).__name__, str(e)[:300])
@@ -150,5 +162,5 @@ rows = []
 parts = os.environ["PARTS"].split(",")
 for part in parts:
     dict(dense=sweep_dense, ring=sweep_ring, slots=sweep_slots)[part](rows)
-json.dump(rows, open(f"{os.environ['OUT']}/kernel_sweep_{'_'.join(parts)}.json", "w"), indent=1)
+json.dump(rows, open(f"{os.environ['OUT']}/kernel_sweep_{'_'.join(parts)}_{B}.json", "w"), indent=1)
 PY
