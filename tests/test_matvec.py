@@ -41,9 +41,10 @@ def test_matvec_ops_match_the_torch_composition(poisoned_empty, M, K, N, dtype, 
     torch.testing.assert_close(matvec(x, w, residual=res, launch=launch), res + F.linear(x, w), **tol)
 
 
+@pytest.mark.parametrize("block_n", [32, 2])
 @pytest.mark.parametrize("rows_table", [False, True], ids=["shared-position", "position-per-row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matvec_rope_rotates_q_and_k_columns_only(poisoned_empty, rows_table, dtype):
+def test_matvec_rope_rotates_q_and_k_columns_only(poisoned_empty, rows_table, dtype, block_n):
     """A fused wqkv output (H + 2 Hkv heads of D): q and k heads rotated as apply_rope, v untouched."""
     M, K, H, Hkv, D = 3, 64, 4, 2, 16
     g = torch.Generator().manual_seed(7 + rows_table)
@@ -51,14 +52,14 @@ def test_matvec_rope_rotates_q_and_k_columns_only(poisoned_empty, rows_table, dt
     w = (torch.randn((H + 2 * Hkv) * D, K, generator=g) / K**0.5).to(DEVICE, dtype)
     angle = torch.rand(M if rows_table else 1, D // 2, generator=g) * 6.3
     table = torch.stack([angle.cos(), angle.sin()], -1).to(DEVICE)  # (M or 1, D/2, 2)
-    got = matvec(x, w, rope=(table, (H + Hkv) * D, D), launch=dict(block_n=32))
+    got = matvec(x, w, rope=(table, (H + Hkv) * D, D), launch=dict(block_n=block_n, block_k=4096))
     lin = F.linear(x, w)
     q, k, v = lin.split([H * D, Hkv * D, Hkv * D], dim=-1)
     t = table[:, None] if rows_table else table  # apply_rope: (T, D/2, 2) or (B, T, D/2, 2)
     want = torch.cat([apply_rope(q.view(M, 1, H, D), t).reshape(M, -1), apply_rope(k.view(M, 1, Hkv, D), t).reshape(M, -1),
                       v], dim=-1)
     torch.testing.assert_close(got, want, **_tol(dtype))
-    plain = matvec(x, w, launch=dict(block_n=32))  # v's columns: the same kernel's product, unrotated
+    plain = matvec(x, w, launch=dict(block_n=block_n, block_k=4096))  # v's columns: the same kernel's product
     torch.testing.assert_close(got[:, (H + Hkv) * D:], plain[:, (H + Hkv) * D:], atol=0, rtol=0)
 
 

@@ -41,8 +41,11 @@ forms = {  # name: (weight bytes, the fused call, the PyTorch composition it rep
     "head": (16384 * 1280 * 2, lambda L, w: mv.matvec(x, w[0], launch=L), lambda w: F.linear(x, w[0]),
              copies((16384, 1280))),
 }
-settings = [dict(block_n=bn, block_k=bk, max_tile=min(M * bn * bk, 16384), num_warps=nw_, num_stages=2)
-            for bn, bk, nw_ in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8)) if bn * bk <= 8192]
+# (few, long programs stream their weight rows in dependent chunks; a chunk as long as a row, K = 1280
+# or 3584, issues all its loads at once: large block_k with few rows per program is in the grid)
+settings = [dict(block_n=bn, block_k=bk, max_tile=min(M * bn * bk, 32768), num_warps=nw_, num_stages=2)
+            for bn, bk, nw_ in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
+            if 2048 <= bn * bk <= 16384]
 settings.append(dict(mv.LAUNCH))
 
 def built(fn):
