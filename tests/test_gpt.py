@@ -201,8 +201,9 @@ def test_fused_blocks_equal_the_module_path(model_type):
     if model_type == "c2i":  # and through the engine's cached decode path
         gen = Generator(model, device="cpu", dtype="fp32")
         ref = gen.cached_logits(cond, tokens)
-        model.fuse(None)
-        torch.testing.assert_close(gen.cached_logits(cond, tokens), ref, atol=1e-5, rtol=1e-5)
+        for compiler in (None, partial(torch.compile, backend="eager", fullgraph=True, dynamic=False)):
+            model.fuse(compiler)  # (next_logits: the fused final norm + head, traced whole when compiled)
+            torch.testing.assert_close(gen.cached_logits(cond, tokens), ref, atol=1e-5, rtol=1e-5)
         model.unfuse()
 
 
