@@ -23,11 +23,12 @@
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
-import itertools, json, os, torch, triton, triton.testing
+import itertools, json, os, torch
 from arsparse.kernels.triton import decode, ring, slots
 from arsparse.kernels.triton import decode_attention, ring_decode_attention, slot_decode_attention
 from arsparse.layout import Layout
 from arsparse.policies import get
+from docs.bench.sweeptime import rotating, rounds, timeit  # (run from the repository root)
 
 dev, dt = "cuda", torch.bfloat16
 B, H, D, S, pos = int(os.environ.get("ROWS", 512)), 20, 64, 577, 300
@@ -36,21 +37,6 @@ r = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=g)
 q, k_new, v_new = r(B, H, D), r(B, H, D), r(B, H, D)
 p = torch.tensor(pos, device=dev)
 fmt = lambda x: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in x.items()}
-
-def timeit(fn):
-    """Median us of a call replayed from a CUDA graph (at 2 rows a kernel takes a few us, less than
-    the wrapper's host time), after 100 ms of replays (the clocks fall while the host compiles)."""
-    triton.testing.do_bench_cudagraph(fn, rep=100)
-    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-
-def rounds(fns, n=3):
-    """{name: (median, spread) us} over n interleaved rounds of every fn (built and warmed first):
-    one setting timed twice, far apart, shows how much of a difference is noise."""
-    times = {name: [] for name in fns}
-    for _ in range(n):
-        for name, fn in fns.items():
-            times[name].append(timeit(fn))
-    return {name: (sorted(t)[len(t) // 2], max(t) - min(t)) for name, t in times.items()}
 
 def report(rows, kname, engine, extra=()):
     """The engine's setting, the fastest four, and the extra rows."""
@@ -61,12 +47,6 @@ def report(rows, kname, engine, extra=()):
         print("   ", fmt(x))
     for x in extra:
         print("   ", fmt(x))
-
-def rotating(make, nbytes):
-    """A cycle of enough sets of buffers (``make()`` each, ``nbytes`` per set) that one pass over
-    them (> 150 MB) does not fit in the 50 MB L2: a step reads every layer's cache once, so at few
-    rows the sweep must not time the cache. One set at 512 rows."""
-    return itertools.cycle([make() for _ in range(max(1, -(-150 * 2**20 // nbytes)))])
 
 def sweep_dense(rows):
     """Reads pos positions of K and V (the new token comes from registers)."""

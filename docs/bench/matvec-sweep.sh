@@ -12,10 +12,11 @@
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 ROWS=${1:-2}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
-import itertools, json, os, torch, triton.testing
+import itertools, json, os, torch
 import torch.nn.functional as F
 from arsparse.kernels.triton import matvec as mv
 from arsparse.models.gpt import rms_norm
+from docs.bench.sweeptime import rotating, rounds  # (run from the repository root)
 
 M, dt, dev = int(os.environ["ROWS"]), torch.bfloat16, "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
@@ -24,10 +25,8 @@ x, f, nw, h = r(M, 1280), r(M, 1280), 1 + r(1280), r(M, 3584)
 table = torch.rand(1, 32, 2, device=dev)
 
 def copies(*shapes):
-    """Enough copies of a form's weights that one pass over them (> 150 MB) does not fit in the 50 MB
-    L2: a step reads every layer's weights once, so the sweep must not time the cache."""
-    n = max(2, -(-150 * 2**20 // sum(2 * a * b for a, b in shapes)))
-    return itertools.cycle([[r(*sh) for sh in shapes] for _ in range(n)])
+    """The form's weights, in enough copies to miss the L2 (a step reads each layer's once)."""
+    return rotating(lambda: [r(*sh) for sh in shapes], sum(2 * a * b for a, b in shapes))
 
 forms = {  # name: (weight bytes, the fused call, the PyTorch composition it replaces, weight copies)
     "wqkv+norm+rope": (3840 * 1280 * 2, lambda L, w: mv.matvec(x, w[0], add=f, norm=(nw, 1e-5), rope=(table, 2560, 64), launch=L),
@@ -61,12 +60,9 @@ for name, (nbytes, fused, plain, ws) in forms.items():  # (each call takes the n
         except Exception as e:
             print(name, s, "failed:", type(e).__name__, str(e)[:200])
 torch.cuda.synchronize()
-times = {k: [] for k in fns}
-for _ in range(3):
-    for k, fn in fns.items():
-        times[k].append(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3)  # us per call
-med = {k: sorted(t)[1] for k, t in times.items()}
-rows = [dict(form=n, setting=s, us=med[(n, s)], spread_us=max(times[(n, s)]) - min(times[(n, s)]),
+timed = rounds(fns)  # (median, spread) us per call
+med = {k: t[0] for k, t in timed.items()}
+rows = [dict(form=n, setting=s, us=med[(n, s)], spread_us=timed[(n, s)][1],
              gb_s=forms[n][0] / med[(n, s)] / 1e3) for n, s in fns]
 json.dump(dict(rows=rows, M=M, gpu=torch.cuda.get_device_name()), open(f"{os.environ['OUT']}/matvec_sweep_{M}.json", "w"), indent=1)
 weight = {"wqkv+norm+rope": 1, "wo+residual": 1, "w1w3+norm+silu": 1, "w2": 1, "head": 1 / 36}  # per block
