@@ -23,7 +23,7 @@ def cmd_generate(args) -> int:
 
     policy = get(args.policy, **parse_args(args.policy_arg))
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
-                    compile=args.compile)
+                    compile=args.compile, matvec=args.matvec)
     masks, extra = None, {}
     if cfg.model_type == "t2i":
         if not args.caption_features:
@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
         images = torch.nn.functional.interpolate(images, scale_factor=scale, mode="nearest")
     save_grid(images, out / "grid.png", nrow=args.nrow)
     info = dict(num_images=n, seconds=round(elapsed, 3), images_per_s=round(n / elapsed, 3), policy=policy.describe(),
-                image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype), **extra)
+                image_size=size, cfg_scale=cfg_scale, device=str(gen.device), dtype=str(gen.dtype), matvec=args.matvec, **extra)
     (out / "generate.json").write_text(json.dumps(info, indent=2))
     print(f"wrote {n} images to {out / 'images'} and {out / 'grid.png'} ({elapsed:.1f} s, {n / elapsed:.2f} images/s)")
     return 0
@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel", default=None, choices=["torch", "triton"],
                    help="decode attention: Triton kernels or the PyTorch reference (default: triton on cuda)")
     g.add_argument("--compile", action="store_true", help="torch.compile each block and the sampling (CUDA; fewer launches)")
+    g.add_argument("--matvec", action="store_true",
+                   help="latency mode: decode steps of at most 16 rows (8 images with guidance) through Triton "
+                        "matrix-vector kernels with the norms, RoPE and SwiGLU folded in; larger batches take the "
+                        "PyTorch blocks (CUDA; not with --compile)")
     g.add_argument("--policy", default="dense", help="sparse-attention policy (see `arsparse policies`)")
     g.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="policy parameter, repeatable: --policy-arg rows=3 --policy-arg band=2")

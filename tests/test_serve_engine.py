@@ -112,9 +112,12 @@ def test_padded_captions_joining_mid_flight_get_the_offline_tokens(policy):
     assert not torch.equal(_offline(gen, r), _offline(gen, dict(r, mask=None)))
 
 
-def test_graph_shapes_give_the_same_tokens_and_capture_failure_falls_back(caplog):
+def test_graph_shapes_give_the_same_tokens_and_capture_failure_falls_back(caplog, monkeypatch):
     """With CUDA graphs on, steps run at bucketed shapes (more slots, a larger top-k bound); where
-    capture fails (here: no CUDA), the plan runs eagerly for good, with the same tokens."""
+    capture fails, the plan runs eagerly for good, with the same tokens."""
+    def refuse(*args, **kwargs):  # capture fails on any machine (on a GPU one, capturing CPU work would not)
+        raise RuntimeError("capture refused by the test")
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
     model = random_gpt("c2i", image_tokens=64, seed=6)
     gen = Generator(model, device="cpu")
     dec = SlotDecoder(gen, slots=8, guidance=True)

@@ -15,9 +15,11 @@ from ._matvec import matvec_kernel
 
 #: Rows one launch takes (each weight tile is multiplied into every row in registers).
 MAX_ROWS = 16
-#: Launch settings (not yet swept on a GPU): weight rows per program, the reduction's chunk (cut so
-#: that the (rows, block_n, block_k) product tile holds at most max_tile elements), warps, stages.
-LAUNCH = dict(block_n=8, block_k=512, max_tile=8192, num_warps=4, num_stages=2)
+#: Launch settings: weight rows per program, the reduction's chunk (cut so that the (rows, block_n,
+#: block_k) product tile holds at most max_tile elements), warps, stages. The fastest over a block's
+#: four projections at 2 rows on the H200 (docs/bench/matvec-sweep.sh, BENCHMARKS run 8): 30.4 us
+#: per block against 43.2 for the first guess (8 rows, chunks of 512) and 81.6 for cuBLAS + PyTorch.
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2)
 
 
 def parse_launch(text: str) -> dict:
