@@ -165,20 +165,22 @@ from triton.compiler import ASTSource
 
 module, name, pointers, builds = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
-for build, (const, warps) in builds.items():
+for build, (const, warps, *must) in builds.items():
     signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n in ("scale", "eps") else "i32")
                  for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ok = bool(built.asm["cubin"]) and f".entry {name}" in built.asm["ptx"]
-    print(build, "built" if ok else "EMPTY", flush=True)
+    missing = [m for m in (must[0] if must else ()) if m not in built.asm["ptx"]]
+    print(build, "built" if ok and not missing else f"EMPTY-or-without-{missing}", flush=True)
 """
 
 
 def compile_for_hopper(module: str, name: str, pointers: dict, builds: dict) -> None:
     """Build the Triton kernel ``module.name`` for sm_90 (Triton -> PTX -> cubin) in each of ``builds``
-    ({build: (constexprs, num_warps)}; ``pointers``: argument -> pointer type, the rest i32 or fp32),
+    ({build: (constexprs, num_warps[, strings its PTX must hold])}; ``pointers``: argument -> pointer
+    type, the rest i32 or fp32),
     without a GPU, in a process of its own (the interpreter runs Python: only this shows that the
     compiled form accepts the code). Skips without Triton's NVIDIA backend or ptxas."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend is not installed")

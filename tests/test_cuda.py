@@ -304,7 +304,7 @@ def test_masked_t2i_engine_on_gpu(policy):
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])
-def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
+def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol, monkeypatch):
     """Teacher forcing through the decode path with the matvec halves (2 rows: the steps and the
     one-position prefill take the kernels) against the full forward pass."""
     model = random_gpt("c2i", seed=6, image_tokens=256, n_kv_head=2)
@@ -312,6 +312,10 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
     tokens = torch.randint(0, model.config.vocab_size, (2, 256))
     gen = Generator(model, device="cuda", dtype=dtype, kernel="triton", matvec=True)
     got = gen.cached_logits(cond, tokens)
+    from arsparse.kernels.triton import matvec as mv
+
+    monkeypatch.setitem(mv.LAUNCH, "prefetch", 1)  # each launch prefetches the next weights: the same
+    assert torch.equal(gen.cached_logits(cond, tokens), got)  # logits, bit for bit
     with torch.no_grad():
         gen.gpt.unfuse()
         want = gen.gpt.logits(cond.cuda(), tokens.cuda()).float()
@@ -338,3 +342,7 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M):
     torch.testing.assert_close(matvec(x, w1, norm=(nw, 1e-5), w_up=w3), F.silu(F.linear(h, w1)) * F.linear(h, w3), **tol)
     gate = r(M, 3584)
     torch.testing.assert_close(matvec(gate, w2, residual=x), x + F.linear(gate, w2), **tol)
+    # prefetching the next weights into the L2 (real PTX here) changes no bit, with or without it
+    on = dict(prefetch=1)
+    assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5), prefetch=(w1, w3, w2), launch=on), matvec(x, wqkv, norm=(nw, 1e-5)))
+    assert torch.equal(matvec(gate, w2, prefetch=(wqkv[:7].reshape(-1)[1:],), launch=on), matvec(gate, w2))

@@ -276,9 +276,9 @@ class Generator:
         if self.compile:
             self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
         elif matvec:
-            from ..models.matvec_blocks import HALVES
+            from ..models.matvec_blocks import halves
 
-            self.gpt.fuse(None, halves=HALVES)
+            self.gpt.fuse(None, halves=halves(self.gpt))
         else:
             self.gpt.unfuse()
         from ..policies import resolve

@@ -1,0 +1,56 @@
+"""Prefetching into the L2 from inside a kernel (the matvec and ring kernels' ``PF_MODE``).
+
+A decode kernel that waits on its own loads leaves the memory idle between its waves of programs.
+A program can instead name lines that a later launch (matvec: the next projection's weights) or a
+later program of its own launch (ring: the program ``ahead`` places on) will read, so that they
+come from the L2 when asked for. ``prefetch.global.L2`` writes no register and is not waited for.
+
+Modes (a constexpr): 0 off; 1 prefetch (CUDA); 2 count, for tests in the interpreter, which cannot
+run PTX: add 1 at each address instead (fp32 buffers), so a test sees exactly which lines a launch
+names.
+"""
+import triton
+import triton.language as tl
+
+#: Bytes per line the hardware fetches (one prefetch per line).
+LINE_BYTES = 128
+
+
+def line_elems(element_size: int) -> int:
+    """Elements of ``element_size`` bytes per line (at least 1)."""
+    return max(1, LINE_BYTES // element_size)
+
+
+def mode_for(enabled: bool, device, count: bool = False) -> int:
+    """The kernels' PF_MODE: 2 if ``count`` (tests), else 1 when ``enabled`` on CUDA, else 0 (the
+    interpreter cannot run the PTX, and prefetching changes no result)."""
+    if count:
+        return 2
+    return 1 if enabled and device.type == "cuda" else 0
+
+
+@triton.jit
+def touch(ptrs, mask, MODE: tl.constexpr):
+    """Prefetch the lines holding ``ptrs`` (MODE 1; every pointer must be a valid address, masked
+    lanes included: callers point them at a line they prefetch anyway) or add 1 at the unmasked
+    pointers (MODE 2)."""
+    if MODE == 1:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    elif MODE == 2:
+        tl.atomic_add(ptrs, 1.0, mask=mask)
+
+
+@triton.jit
+def touch_range(P, numel, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
+    """Program ``pid`` of ``nprog`` takes its share of the lines of ``P[0:numel]`` (contiguous): line
+    starts ``l * LINE``, then the last element (its line, where ``P`` is not line-aligned)."""
+    lines = tl.cdiv(numel, LINE) + 1
+    per = tl.cdiv(lines, nprog)
+    start = pid * per
+    end = tl.minimum(start + per, lines)
+    for l0 in range(start, end, BLOCK):
+        line = l0 + tl.arange(0, BLOCK)
+        mask = line < end
+        elem = tl.minimum(tl.where(mask, line, l0) * LINE, numel - 1)
+        touch(P + elem, mask, MODE)
