@@ -119,6 +119,8 @@ RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, bloc
     "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),
     "rows8": dict(rows_per_program=8, num_warps=4, num_stages=3),
     "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
+    "prefetch-ahead": dict(prefetch_ahead=37),  # (prefetch.global.L2 for real: results unchanged)
+    "rows3-heads-first-prefetch": dict(rows_per_program=3, heads_first=True, late_cast=True, prefetch_ahead=5),
 }
 
 

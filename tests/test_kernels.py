@@ -167,6 +167,45 @@ def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hk
     _same([t.cpu() for t in fresh[3:9]], bufs)
 
 
+@pytest.mark.parametrize("ahead,rows,heads_first,per_row", [(3, 1, False, False), (5, 2, True, True), (40, 1, False, True)])
+def test_ring_prefetch_names_the_lines_of_the_program_ahead(ahead, rows, heads_first, per_row):
+    """Counting instead of prefetching (fp32, D 64: two 128-byte lines per cached row): each program
+    names exactly the lines the program ``ahead`` places later in launch order reads (its ring slots,
+    prompt and written sinks, at its own row's position), once each; programs with none ahead name nothing."""
+    B, H, Hkv, P, S, W, D = 3, 4, 2, 2, 2, 8, 64
+    G, nb = H // Hkv, -(-B // rows)
+    g = torch.Generator().manual_seed(ahead)
+    offsets = random_offsets(g, H, 5, W)
+    pos = torch.tensor([P + 9, P + 12, P + 1]) if per_row else torch.tensor(P + 11)
+    row_pos = pos.expand(B).tolist()
+    bufs = [torch.zeros(B, Hkv, n, D) for n in (P, P, S + 1, S + 1, W, W)]
+    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    launch = dict(prefetch_ahead=ahead, rows_per_program=rows, heads_first=heads_first)
+    ring_decode_attention(q, k_new, v_new, *bufs, offsets, pos, S, launch=launch, count_prefetch=True)
+    want = [torch.zeros_like(t) for t in bufs]
+    for lin in range(nb * H):
+        t = lin + ahead
+        if t >= nb * H:
+            continue
+        h_t, block_t = (t % H, t // H) if heads_first else (t // nb, t % nb)
+        for row in range(block_t * rows, min(block_t * rows + rows, B)):
+            p, hk = row_pos[row], h_t // G
+            lines = [(0, pp) for pp in range(P)] + [(2, j) for j in range(S) if j <= p - P]
+            lines += [(4, (p - o - P) % W) for o in offsets[h_t].tolist() if o >= 0 and p - o >= P + S]
+            for k, at in lines:
+                for buf in (want[k], want[k + 1]):
+                    buf[row, hk, at, [0, 32]] += 1
+    for b, p in enumerate(row_pos):  # the slots the step writes hold the new token: not compared
+        i = p - P
+        for t in (*bufs[4:], *want[4:]):
+            t[b, :, i % W] = 0
+        for t in (*bufs[2:4], *want[2:4]) if i < S else ():
+            t[b, :, i] = 0
+    assert (sum(int(t.sum()) for t in want) > 0) == (ahead < nb * H)
+    for got, exp in zip(bufs, want):
+        assert torch.equal(got, exp)
+
+
 def test_ring_launch_settings_parse_and_reject_bad_ones():
     from arsparse.kernels.triton import ring
 
@@ -175,7 +214,8 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
                       ("num_warps", "KEY=VALUE"), ("late_cast=yes", "late_cast takes 1, 0, true or false"),
-                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
+                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1"),
+                      ("prefetch_ahead=-1", "an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
 
@@ -346,7 +386,14 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
                               HEADS_FIRST=False), 4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True,
                              HEADS_FIRST=False), 2),
+    "engine-prefetching": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
+                                HEADS_FIRST=False, PF_MODE=1), 1, ["prefetch.global.L2"]),
+    "rows2-heads-first-d128-prefetching": (dict(G=2, ROWS=2, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=False,
+                                                LATE_CAST=True, HEADS_FIRST=True, PF_MODE=1, PF_NL=2), 2,
+                                           ["prefetch.global.L2"]),
 }
+
+
 def test_ring_kernel_compiles_for_hopper():
     """The kernel as the GPU compiles it (Triton -> PTX -> cubin for sm_90), without a GPU, in a
     process of its own (this module runs the interpreter): the interpreter runs Python, so this is
@@ -354,5 +401,6 @@ def test_ring_kernel_compiles_for_hopper():
     build the engine and the launch sweep use."""
     pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
-    builds = {name: (dict(const, BLOCK_O=64, BLOCK_S=4), warps) for name, (const, warps) in RING_BUILDS.items()}
+    builds = {name: (dict(dict(PF_MODE=0, PF_LINE=64, PF_NL=1), **const, BLOCK_O=64, BLOCK_S=4), *rest)
+              for name, (const, *rest) in RING_BUILDS.items()}
     compile_for_hopper("arsparse.kernels.triton._ring", "ring_decode_kernel", pointers, builds)

@@ -21,6 +21,8 @@ sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this for
 import triton
 import triton.language as tl
 
+from ._prefetch import touch
+
 
 @triton.jit
 def ring_decode_kernel(
@@ -30,7 +32,8 @@ def ring_decode_kernel(
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
-    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, pf_ahead=0, PF_MODE: tl.constexpr = 0,
+    PF_LINE: tl.constexpr = 64, PF_NL: tl.constexpr = 1,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -39,6 +42,12 @@ def ring_decode_kernel(
 
     ``HEADS_FIRST``: the grid is (heads, row blocks), so programs launched together share a row
     (whose heads' K/V are adjacent in memory) rather than a head.
+
+    ``PF_MODE`` (``_prefetch.py``): each program also names the lines that the program ``pf_ahead``
+    places after it in launch order will read (its prompt, sinks and ring slots, each row of PF_NL
+    lines of PF_LINE elements), before its own gathers, so that they come from the L2
+    when that program runs (the waves of programs otherwise leave the memory idle while each wave
+    loads its positions and offsets before gathering).
 
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
@@ -53,12 +62,44 @@ def ring_decode_kernel(
     o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1)  # (BO,) this head's backward offsets
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
+    if PF_MODE != 0:  # the program pf_ahead places later in launch order (x fastest), and its offsets
+        n_x = tl.num_programs(0)
+        n_y = tl.num_programs(1)
+        lin = tl.program_id(1) * n_x + tl.program_id(0)
+        t = lin + pf_ahead
+        t_ok = t < n_x * n_y
+        t = tl.where(t_ok, t, lin)
+        h_t = t % n_x if HEADS_FIRST else t // n_x
+        block_t = t // n_x if HEADS_FIRST else t % n_x
+        hk_t = h_t // G
+        o_t = tl.load(OFF + h_t * so_h + jo, mask=jo < n_off, other=-1)
+        dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) the line starts within a row of D
+        dlm = dl < D
     for r in tl.range(0, ROWS):
         row = block * ROWS + r
         live = row < B
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos)
         i = pos - P  # image index of the query
+        if PF_MODE != 0:  # that program's row r: its ring slots, prompt and sinks (masked lanes -> element 0),
+            # named before this row's own gathers (fewer registers live; both wait on the position loads)
+            row_t = block_t * ROWS + r
+            ok_t = t_ok & (row_t < B)
+            b_t = tl.minimum(row_t, B - 1)
+            pos_t = tl.load(POS + b_t * spos)
+            kpos_t = pos_t - o_t
+            m = tl.where(ok_t, ((o_t >= 0) & (kpos_t >= P + S))[:, None] & dlm[None, :], False)  # (BO, NL)
+            off_t = tl.where(m, b_t * sr_b + hk_t * sr_h + ((kpos_t - P) % W)[:, None] * sr_s + dl[None, :], 0)
+            touch(RK + off_t, m, PF_MODE)
+            touch(RV + off_t, m, PF_MODE)
+            m = tl.where(ok_t, (jp < P)[:, None] & dlm[None, :], False)
+            off_t = tl.where(m, b_t * sp_b + hk_t * sp_h + jp[:, None] * sp_s + dl[None, :], 0)
+            touch(PK + off_t, m, PF_MODE)
+            touch(PV + off_t, m, PF_MODE)
+            m = tl.where(ok_t, ((js < S) & (js <= pos_t - P))[:, None] & dlm[None, :], False)
+            off_t = tl.where(m, b_t * ss_b + hk_t * ss_h + js[:, None] * ss_s + dl[None, :], 0)
+            touch(SK + off_t, m, PF_MODE)
+            touch(SV + off_t, m, PF_MODE)
         q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
         kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
         vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
