@@ -70,13 +70,13 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
     return gpt.to(dtype)
 
 
-def _ring_launch() -> dict | None:
-    """The ring kernel's launch settings in effect (None without Triton)."""
+def _kernel_settings() -> dict:
+    """The ring kernel's launch settings and the dense kernel's prefetching in effect (None without Triton)."""
     try:
-        from .kernels.triton import ring
+        from .kernels.triton import decode, ring
     except ImportError:
-        return None
-    return dict(ring.LAUNCH)
+        return dict(ring_launch=None, dense_prefetch_tiles=None)
+    return dict(ring_launch=dict(ring.LAUNCH), dense_prefetch_tiles=decode.PREFETCH_TILES)
 
 
 def _matvec_launch() -> dict:
@@ -112,7 +112,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, ring_launch=_ring_launch(),
+                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, **_kernel_settings(),
                 matvec_launch=_matvec_launch() if matvec else None)
 
     def result() -> dict:
@@ -238,6 +238,12 @@ def cmd_bench(args) -> int:
         from .kernels.triton import ring
 
         ring.LAUNCH = ring.parse_launch(args.ring_launch)
+    if args.dense_prefetch is not None:  # the dense split kernel's prefetching, likewise
+        from .kernels.triton import decode
+
+        if args.dense_prefetch < 0:
+            raise ValueError(f"--dense-prefetch takes tiles ahead >= 0, got {args.dense_prefetch}")
+        decode.PREFETCH_TILES = args.dense_prefetch
     if args.matvec_launch:  # the matvec kernel's, likewise (docs/bench/matvec-sweep.sh writes one)
         from .kernels.triton import matvec
 
@@ -287,10 +293,14 @@ def add_bench_parser(sub) -> None:
                         "kernels with the block's norms, RoPE, SwiGLU and residual adds folded in (not with --compile)")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
-                        "num_warps, num_stages; see docs/bench/kernel-sweep.sh), recorded in the JSON")
+                        "heads_first, num_warps, num_stages, prefetch_ahead; see docs/bench/kernel-sweep.sh), "
+                        "recorded in the JSON")
+    b.add_argument("--dense-prefetch", type=int, metavar="TILES",
+                   help="tiles ahead that the dense split kernel prefetches into the L2 (0: off, the default), "
+                        "recorded in the JSON")
     b.add_argument("--matvec-launch", metavar="JSON",
                    help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "
-                        "(block_n, block_k, max_tile, num_warps, num_stages), recorded in the JSON")
+                        "(block_n, block_k, max_tile, num_warps, num_stages, prefetch), recorded in the JSON")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

@@ -104,10 +104,12 @@ def _same(got: list, want: list) -> None:
     (4, 32, 8, 1120, 100, "rows", None),  # GQA, head_dim 100, t2i-like length, several splits
     (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
 ])
-def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits):
-    from arsparse.kernels.triton import decode_attention
+@pytest.mark.parametrize("prefetch_tiles", [0, 2])
+def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, prefetch_tiles, monkeypatch):
+    from arsparse.kernels.triton import decode, decode_attention
     from conftest import random_decode_case
 
+    monkeypatch.setattr(decode, "PREFETCH_TILES", prefetch_tiles)  # (prefetch.global.L2 for real)
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
     got = decode_attention(*inputs, num_splits=splits)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)

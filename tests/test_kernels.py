@@ -167,6 +167,44 @@ def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hk
     _same([t.cpu() for t in fresh[3:9]], bufs)
 
 
+@pytest.mark.parametrize("tiles,splits,pos", [(2, 3, [37, 20]), (3, 1, [25, 39]), (1, 2, [5, 33])])
+def test_dense_prefetch_names_each_split_s_tiles_after_its_first(monkeypatch, tiles, splits, pos):
+    """Counting instead of prefetching (fp32, D 64: two 128-byte lines per position): each split names
+    every position it reads from memory past its first tile, once, in K and V, and nothing else."""
+    from arsparse.kernels.triton import decode
+
+    monkeypatch.setattr(decode, "BLOCK_N", 8)
+    monkeypatch.setattr(decode, "PREFETCH_TILES", tiles)
+    B, H, Hkv, S, D = 2, 4, 2, 40, 64
+    g = torch.Generator().manual_seed(tiles)
+    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
+    decode_attention(q, k_new, v_new, kc, vc, torch.tensor(pos), num_splits=splits, count_prefetch=True)
+    chunk = -(-(-(-S // splits)) // 8) * 8
+    want = torch.zeros(B, Hkv, S, D)
+    for b, p in enumerate(pos):
+        for start in range(0, S, chunk):
+            want[b, :, start + 8: min(start + chunk, p, S), 0] += 1
+            want[b, :, start + 8: min(start + chunk, p, S), 32] += 1
+        kc[b, :, p] = vc[b, :, p] = 0  # the new token's slot
+    assert want.sum() > 0
+    assert torch.equal(kc, want) and torch.equal(vc, want)
+
+
+def test_dense_kernel_compiles_for_hopper():
+    """The split kernel's builds for sm_90 (see conftest.compile_for_hopper): the engine's, and with
+    prefetching (its PTX must hold the prefetch instructions)."""
+    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
+                    **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
+    base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False, PF_MODE=0, PF_TILES=0,
+                PF_LINE=64, PF_NL=1)
+    builds = {"engine": (base, 2),
+              "prefetching": (dict(base, PF_MODE=1, PF_TILES=2), 2, ["prefetch.global.L2"]),
+              "gqa-span-d128-prefetching": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False,
+                                                 HAS_SPAN=True, PF_MODE=1, PF_TILES=3, PF_NL=2), 4, ["prefetch.global.L2"])}
+    compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
+
+
 @pytest.mark.parametrize("ahead,rows,heads_first,per_row", [(3, 1, False, False), (5, 2, True, True), (40, 1, False, True)])
 def test_ring_prefetch_names_the_lines_of_the_program_ahead(ahead, rows, heads_first, per_row):
     """Counting instead of prefetching (fp32, D 64: two 128-byte lines per cached row): each program

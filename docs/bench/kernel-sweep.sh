@@ -53,12 +53,14 @@ def sweep_dense(rows):
     kvs = rotating(lambda: (r(B, H, S, D), r(B, H, S, D)), 2 * B * H * S * D * 2)
     k, v = next(kvs)
     nbytes = B * H * (pos + 1) * D * 2 * 2
-    engine = (decode.BLOCK_N, dict(decode.SPLIT_LAUNCH))
-    for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
-        decode.BLOCK_N, decode.SPLIT_LAUNCH = bn, dict(num_warps=nw, num_stages=ns)
+    engine = (decode.BLOCK_N, dict(decode.SPLIT_LAUNCH), decode.PREFETCH_TILES)
+    # (num_stages: runs 3-7 found no difference; PREFETCH_TILES: each split prefetches that many tiles ahead)
+    for bn, nw, ns, pf in itertools.product((32, 64, 128), (2, 4, 8), (3,), (0, 1, 2)):
+        decode.BLOCK_N, decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = bn, dict(num_warps=nw, num_stages=ns), pf
         us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p))
-        rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
-    decode.BLOCK_N, decode.SPLIT_LAUNCH = engine
+        rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, PREFETCH_TILES=pf, us=us,
+                         gb_s=nbytes / us / 1e3))
+    decode.BLOCK_N, decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = engine
     p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
     us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p_rows))
     rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2
@@ -67,7 +69,7 @@ def sweep_dense(rows):
     us = timeit(lambda: (k.index_copy_(2, at, k_new[:, :, None]), v.index_copy_(2, at, v_new[:, :, None])))
     extra.append(dict(kernel="dense-writes", us=us))
     rows += extra
-    report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1]), extra)
+    report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1], PREFETCH_TILES=engine[2]), extra)
 
 def sweep_ring(rows):
     """diagonal's default read set on the 24x24 grid: the kernel by rows per program, heads_first,

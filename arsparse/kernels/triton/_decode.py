@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from ._prefetch import touch
+
 
 @triton.jit
 def _finite_max(m, GUARD: tl.constexpr):
@@ -12,13 +14,23 @@ def _finite_max(m, GUARD: tl.constexpr):
 
 
 @triton.jit
+def _touch_tile(k_base, v_base, n, end, s_s, dl, D, MODE: tl.constexpr):
+    """Prefetch (or count) the lines of K and V at positions ``n`` (BN,) below ``end`` (K and V share strides)."""
+    m = (n < end)[:, None] & (dl < D)[None, :]  # (BN, NL)
+    off = tl.where(m, n[:, None] * s_s + dl[None, :], 0)
+    touch(k_base + off, m, MODE)
+    touch(v_base + off, m, MODE)
+
+
+@triton.jit
 def decode_split_kernel(
     Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr,
+    HAS_SPAN: tl.constexpr, PF_MODE: tl.constexpr = 0, PF_TILES: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+    PF_NL: tl.constexpr = 1,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -27,6 +39,9 @@ def decode_split_kernel(
     program reads the slot being written. ``DIRECT`` (one split): the normalised output goes to OUT.
     ``HAS_SPAN``: of the prompt positions (below P) only SPAN[b] = [lo, hi) are read (caption
     padding); a tile may then hold no readable position, so the running max is guarded.
+    ``PF_MODE`` (``_prefetch.py``): the loop over tiles waits for each tile's loads before the next
+    (Triton does not pipeline it here), so tile ``t`` prefetches tile ``t + PF_TILES`` into the L2
+    (tiles 1..PF_TILES - 1 before the loop): every position in [start + BLOCK_N, end) once.
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -55,6 +70,10 @@ def decode_split_kernel(
     kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
     vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=wmask, other=0.0)
 
+    if PF_MODE != 0:
+        dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) line starts within a row of D
+        for t in tl.static_range(1, PF_TILES):
+            _touch_tile(k_base, v_base, start + t * BLOCK_N + offs_n, end, sk_s, dl, D, PF_MODE)
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
@@ -70,6 +89,8 @@ def decode_split_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if PF_MODE != 0:
+                _touch_tile(k_base, v_base, n + PF_TILES * BLOCK_N, end, sk_s, dl, D, PF_MODE)
             s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
             m_ref = _finite_max(m_new, HAS_SPAN)
@@ -94,6 +115,8 @@ def decode_split_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            if PF_MODE != 0:
+                _touch_tile(k_base, v_base, n + PF_TILES * BLOCK_N, end, sk_s, dl, D, PF_MODE)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
             s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))
