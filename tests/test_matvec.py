@@ -21,8 +21,9 @@ def _tol(dtype):
 
 @pytest.mark.parametrize("M,K,N,dtype,launch", [
     (2, 96, 80, torch.float32, None),  # a part block of columns and of the reduction
-    (1, 300, 33, torch.float32, dict(block_n=32, block_k=64)),  # one row; K and N off the block sizes
-    (16, 64, 48, torch.bfloat16, None),  # the most rows
+    (2, 96, 80, torch.float32, dict(weights_first=1)),  # the row in one chunk, weights loaded first
+    (1, 300, 33, torch.float32, dict(block_n=32, block_k=64, weights_first=1)),  # one row; K, N off the blocks
+    (16, 64, 48, torch.bfloat16, dict(weights_first=1)),  # the most rows
     (5, 200, 40, torch.bfloat16, dict(block_n=16, block_k=32)),
 ])
 def test_matvec_ops_match_the_torch_composition(poisoned_empty, M, K, N, dtype, launch):
@@ -39,6 +40,10 @@ def test_matvec_ops_match_the_torch_composition(poisoned_empty, M, K, N, dtype, 
     want = F.silu(F.linear(rms_norm(x, nw, 1e-6), w)) * F.linear(rms_norm(x, nw, 1e-6), w3)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(matvec(x, w, residual=res, launch=launch), res + F.linear(x, w), **tol)
+    if launch and launch.get("weights_first"):  # the same sums in the same order as the chunk loop's one pass
+        loop = dict(launch, weights_first=0)
+        assert torch.equal(matvec(x, w, add=f, norm=(nw, 1e-5), launch=loop)[0], y)
+        assert torch.equal(matvec(x, w, norm=(nw, 1e-6), w_up=w3, launch=loop), got)
 
 
 @pytest.mark.parametrize("block_n", [32, 2])
@@ -169,12 +174,13 @@ def test_matvec_kernel_compiles_for_hopper():
     """Each fused form the block halves launch, built for sm_90 (see conftest.compile_for_hopper)."""
     from conftest import compile_for_hopper
 
-    flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, BLOCK_M=2, BLOCK_N=8,
-                 BLOCK_K=512, PF_MODE=0, PF_RANGES=0, PF_LINE=64, PF_BLOCK=16)
+    flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, BLOCK_M=2, BLOCK_N=4,
+                 BLOCK_K=2048, ONE_CHUNK=True, PF_MODE=0, PF_RANGES=0, PF_LINE=64, PF_BLOCK=16)
     builds = {"wqkv": (dict(flags, HAS_F=True, HAS_NORM=True, HAS_ROPE=True), 4),
               "w1-w3": (dict(flags, HAS_NORM=True, GLU=True), 4),
               "wo": (dict(flags, HAS_RES=True), 4),
-              "w2-16-rows": (dict(flags, BLOCK_M=16, BLOCK_K=64), 2),
+              "w2-16-rows": (dict(flags, BLOCK_M=16, BLOCK_K=64, ONE_CHUNK=False), 2),
+              "w1-w3-chunks": (dict(flags, HAS_F=True, HAS_NORM=True, GLU=True, BLOCK_K=512, ONE_CHUNK=False), 4),
               "wqkv-prefetching": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PF_MODE=1, PF_RANGES=3, PF_BLOCK=256),
                                    4, ["prefetch.global.L2"])}
     pointers = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS", "P0", "P1", "P2")})

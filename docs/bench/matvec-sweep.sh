@@ -40,11 +40,11 @@ forms = {  # name: (weight bytes, the fused call, the PyTorch composition it rep
     "head": (16384 * 1280 * 2, lambda L, w: mv.matvec(x, w[0], launch=L), lambda w: F.linear(x, w[0]),
              copies((16384, 1280))),
 }
-# (few, long programs stream their weight rows in dependent chunks; a chunk as long as a row, K = 1280
-# or 3584, issues all its loads at once: large block_k with few rows per program is in the grid)
-settings = [dict(block_n=bn, block_k=bk, max_tile=min(M * bn * bk, 32768), num_warps=nw_, num_stages=2)
-            for bn, bk, nw_ in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))
-            if 2048 <= bn * bk <= 16384]
+# (run 8: chunks as long as a row (K = 1280 or 3584: block_k 2048 / 4096) with 2-8 rows per program won;
+# now also weights_first, which asks for the weight tile before reading the input; `prefetch` is for
+# whole steps, `arsparse bench --matvec --matvec-launch '{"prefetch": 1}'`, as it serves the next launch)
+settings = [dict(mv.LAUNCH, block_n=bn, block_k=bk, max_tile=min(M * bn * bk, 32768), num_warps=nw_, weights_first=wf)
+            for bn, bk, nw_, wf in itertools.product((2, 4, 8), (2048, 4096), (4, 8), (0, 1))]
 settings.append(dict(mv.LAUNCH))
 
 def built(fn):

@@ -7,7 +7,8 @@ BLOCK_N weight rows per program and folds the ops around the product into it:
 
 - ``HAS_F``: the input is ``x + f`` (the previous block's residual add); program 0 stores that sum
   to XS (the residual stream the block returns).
-- ``HAS_NORM``: RMSNorm of the input first (a first pass over the rows for their mean square).
+- ``HAS_NORM``: RMSNorm of the input first (a first pass over the rows for their mean square;
+  ``ONE_CHUNK``, a row in one chunk: the weight tile is loaded first, then the input once).
 - ``GLU``: a second weight W3 at the same rows: ``y = silu(x @ W.T) * (x @ W3.T)`` (SwiGLU's w1, w3).
 - ``HAS_RES``: ``y = res + x @ W.T``.
 - ``HAS_ROPE``: columns below ``rope_hi`` are rotated in interleaved pairs by the table (rows,
@@ -37,12 +38,19 @@ def _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F: tl.constexpr):
 
 
 @triton.jit
+def _normed(x, rstd, NW, kk, kmask):
+    """As rms_norm: x normalised in fp32 by rstd (BM,), rounded, times the weight (rounded)."""
+    nw = tl.load(NW + kk, mask=kmask, other=0.0)
+    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+
+
+@triton.jit
 def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
                   M, N, K, sx_m, sf_m, sw_n, sw3_n, sres_m, srope_m, sy_m, sxs_m, eps, rope_hi, head_dim,
                   pf_n0, pf_n1, pf_n2,
                   HAS_F: tl.constexpr, HAS_NORM: tl.constexpr, GLU: tl.constexpr, HAS_RES: tl.constexpr,
                   HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PF_MODE: tl.constexpr = 0, PF_RANGES: tl.constexpr = 0,
+                  BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PF_MODE: tl.constexpr = 0, PF_RANGES: tl.constexpr = 0,
                   PF_LINE: tl.constexpr = 64, PF_BLOCK: tl.constexpr = 16):
     """Columns [pid * BLOCK_N, + BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight tile is read
     once and multiplied into every row (a (BM, BN, BK) product summed over BK)."""
@@ -52,33 +60,50 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    if HAS_NORM:  # the rows' mean squares (the rows are a few KB: this pass reads them from cache)
-        ss = tl.zeros((BLOCK_M,), tl.float32)
+    if ONE_CHUNK:  # the whole row in one chunk: the weights are asked for first, the input read once
+        kmask = rk < K
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(W + rn[:, None] * sw_n + rk[None, :], mask=wmask, other=0.0)  # (BN, BK)
+        if GLU:
+            w3 = tl.load(W3 + rn[:, None] * sw3_n + rk[None, :], mask=wmask, other=0.0)
+        mask = mmask[:, None] & kmask[None, :]
+        x = _input(X, F, rm, rk, mask, sx_m, sf_m, HAS_F)  # (BM, BK)
+        if HAS_F:
+            tl.store(XS + rm[:, None] * sxs_m + rk[None, :], x, mask=tl.where(pid == 0, mask, False))
+        if HAS_NORM:
+            xf = x.to(tl.float32)
+            x = _normed(x, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps), NW, rk, kmask)
+        xf = x.to(tl.float32)[:, None, :]  # (BM, 1, BK): a few rows, so FMAs, not tensor-core tiles
+        acc = tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
+        if GLU:
+            acc3 = tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if HAS_NORM:  # the rows' mean squares (the rows are a few KB: this pass reads them from cache)
+            ss = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                mask = mmask[:, None] & (kk < K)[None, :]
+                x = _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F).to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)  # (BM,)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            mask = mmask[:, None] & (kk < K)[None, :]
-            x = _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F).to(tl.float32)
-            ss += tl.sum(x * x, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)  # (BM,)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        kmask = kk < K
-        mask = mmask[:, None] & kmask[None, :]
-        x = _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F)  # (BM, BK)
-        if HAS_F:
-            tl.store(XS + rm[:, None] * sxs_m + kk[None, :], x, mask=tl.where(pid == 0, mask, False))
-        if HAS_NORM:  # as rms_norm: normalised in fp32, rounded, times the weight (rounded)
-            nw = tl.load(NW + kk, mask=kmask, other=0.0)
-            x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(W + rn[:, None] * sw_n + kk[None, :], mask=wmask, other=0.0)  # (BN, BK)
-        xf = x.to(tl.float32)[:, None, :]  # (BM, 1, BK): a few rows, so FMAs, not tensor-core tiles
-        acc += tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
-        if GLU:
-            w3 = tl.load(W3 + rn[:, None] * sw3_n + kk[None, :], mask=wmask, other=0.0)
-            acc3 += tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
+            kmask = kk < K
+            mask = mmask[:, None] & kmask[None, :]
+            x = _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F)  # (BM, BK)
+            if HAS_F:
+                tl.store(XS + rm[:, None] * sxs_m + kk[None, :], x, mask=tl.where(pid == 0, mask, False))
+            if HAS_NORM:
+                x = _normed(x, rstd, NW, kk, kmask)
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(W + rn[:, None] * sw_n + kk[None, :], mask=wmask, other=0.0)  # (BN, BK)
+            xf = x.to(tl.float32)[:, None, :]
+            acc += tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
+            if GLU:
+                w3 = tl.load(W3 + rn[:, None] * sw3_n + kk[None, :], mask=wmask, other=0.0)
+                acc3 += tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
     out_dtype = Y.dtype.element_ty
     y = acc.to(out_dtype).to(tl.float32)  # (BM, BN): the product as F.linear returns it
     if GLU:  # silu(a) rounded, times b, rounded

@@ -20,9 +20,10 @@ MAX_ROWS = 16
 #: block_k) product tile holds at most max_tile elements), warps, stages. The fastest over a block's
 #: four projections at 2 rows on the H200 (docs/bench/matvec-sweep.sh, BENCHMARKS run 8): 30.4 us
 #: per block against 43.2 for the first guess (8 rows, chunks of 512) and 81.6 for cuBLAS + PyTorch.
-#: ``prefetch``: 1 lets a launch prefetch the tensors it is given into the L2 (``_prefetch.py``;
-#: not yet timed, so off).
-LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, prefetch=0)
+#: ``prefetch``: 1 lets a launch prefetch the tensors it is given into the L2 (``_prefetch.py``);
+#: ``weights_first``: 1 makes a launch whose rows fit one chunk ask for its weight tile before it
+#: reads (and normalises) the input, and read the input once (more registers). Neither timed yet: off.
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, prefetch=0, weights_first=0)
 #: Tensors one launch can prefetch.
 MAX_PREFETCH = 3
 
@@ -37,9 +38,9 @@ def parse_launch(text: str) -> dict:
     if not isinstance(given, dict) or set(given) - set(LAUNCH):
         raise ValueError(f"matvec launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
     for k, v in given.items():
-        if k == "prefetch":
+        if k in ("prefetch", "weights_first"):
             if v not in (0, 1):
-                raise ValueError(f"matvec launch setting prefetch={v!r} must be 0 or 1")
+                raise ValueError(f"matvec launch setting {k}={v!r} must be 0 or 1")
             continue
         pow2 = k in ("block_n", "block_k", "max_tile", "num_warps")
         if type(v) is not int or v < 1 or (pow2 and v & (v - 1)) or (k == "block_n" and v < 2):
@@ -101,7 +102,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         raise ValueError(f"unknown matvec launch settings {sorted(unknown)}; allowed: {sorted(LAUNCH)}")
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
-    pf_on = bool(cfg.pop("prefetch"))
+    pf_on, weights_first = bool(cfg.pop("prefetch")), bool(cfg.pop("weights_first"))
     pf_mode = mode_for(pf_on, x.device, count_prefetch) if prefetch else 0
     if len(prefetch) > MAX_PREFETCH or any(
             not t.is_contiguous() or t.device != x.device or t.element_size() != w.element_size() for t in prefetch):
@@ -134,6 +135,6 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         (w_up if w_up is not None else w).stride(0), residual.stride(0) if residual is not None else 0, srope,
         y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim, *(t.numel() for t in pf),
         HAS_F=add is not None, HAS_NORM=norm is not None, GLU=w_up is not None, HAS_RES=residual is not None,
-        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PF_MODE=pf_mode,
+        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K, PF_MODE=pf_mode,
         PF_RANGES=len(prefetch) if pf_mode else 0, PF_LINE=line, PF_BLOCK=pf_block, **cfg)
     return (y, xs) if add is not None else y
