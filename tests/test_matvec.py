@@ -76,7 +76,9 @@ def test_matvec_prefetch_names_every_line_once(poisoned_empty, block_n, sizes):
     g = torch.Generator().manual_seed(block_n)
     x, w = torch.randn(2, 96, generator=g).to(DEVICE), torch.randn(80, 96, generator=g).to(DEVICE)
     targets = [torch.zeros(n, device=DEVICE) for n in sizes]
-    y = matvec(x, w, prefetch=tuple(targets), count_prefetch=True, launch=dict(block_n=block_n))
+    matvec(x, w, prefetch=tuple(targets), count_prefetch=True, launch=dict(block_n=block_n))  # prefetch off
+    assert all(not t.any() for t in targets)
+    y = matvec(x, w, prefetch=tuple(targets), count_prefetch=True, launch=dict(block_n=block_n, prefetch=1))
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-4)
     for t in targets:
         want = torch.zeros(len(t))

@@ -1,4 +1,4 @@
-"""Prefetching into the L2 from inside a kernel (the matvec and ring kernels' ``PF_MODE``).
+"""Prefetching into the L2 from inside a kernel (the matvec, ring and dense kernels' ``PF_MODE``).
 
 A decode kernel that waits on its own loads leaves the memory idle between its waves of programs.
 A program can instead name lines that a later launch (matvec: the next projection's weights) or a
@@ -22,11 +22,17 @@ def line_elems(element_size: int) -> int:
 
 
 def mode_for(enabled: bool, device, count: bool = False) -> int:
-    """The kernels' PF_MODE: 2 if ``count`` (tests), else 1 when ``enabled`` on CUDA, else 0 (the
-    interpreter cannot run the PTX, and prefetching changes no result)."""
-    if count:
-        return 2
-    return 1 if enabled and device.type == "cuda" else 0
+    """The kernels' PF_MODE: 0 unless ``enabled``; then 2 if ``count`` (tests), else 1 on CUDA and 0
+    elsewhere (the interpreter cannot run the PTX, and prefetching changes no result)."""
+    if not enabled:
+        return 0
+    return 2 if count else int(device.type == "cuda")
+
+
+def row_args(enabled: bool, device, count: bool, element_size: int, block_d: int) -> dict:
+    """PF_MODE, PF_LINE, PF_NL of a kernel that prefetches cache rows of ``block_d`` elements (NL lines each)."""
+    line = line_elems(element_size)
+    return dict(PF_MODE=mode_for(enabled, device, count), PF_LINE=line, PF_NL=max(1, block_d // line))
 
 
 @triton.jit

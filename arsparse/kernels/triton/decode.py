@@ -5,7 +5,7 @@ import torch
 import triton
 
 from ._decode import combine_kernel, decode_split_kernel
-from ._prefetch import line_elems, mode_for
+from ._prefetch import row_args
 
 BLOCK_N = 128
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
@@ -122,8 +122,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        PF_MODE=mode_for(PREFETCH_TILES > 0, q.device, count_prefetch and PREFETCH_TILES > 0), PF_TILES=PREFETCH_TILES,
-        PF_LINE=line_elems(q.element_size()), PF_NL=max(1, block_d // line_elems(q.element_size())), **SPLIT_LAUNCH,
+        PF_TILES=PREFETCH_TILES, **row_args(PREFETCH_TILES > 0, q.device, count_prefetch, q.element_size(), block_d),
+        **SPLIT_LAUNCH,
     )
     if not direct:
         combine_kernel[(B, H)](

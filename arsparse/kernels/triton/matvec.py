@@ -75,8 +75,8 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         read (the next projections' weights): with the launch setting ``prefetch=1``, on CUDA, the
         programs prefetch them into the L2 after their own work (nothing changes in the result)
     launch : overrides of :data:`LAUNCH`
-    count_prefetch : tests: add 1 at the first element of every line ``prefetch`` names (fp32 tensors)
-        instead of prefetching, in the interpreter too
+    count_prefetch : tests: with ``prefetch=1``, add 1 at the first element of every line ``prefetch``
+        names (fp32 tensors) instead of prefetching, in the interpreter too
 
     Returns (M, N) in x's dtype, and with ``add`` also ``x + add`` (M, K).
     """
@@ -103,7 +103,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
     pf_on, weights_first = bool(cfg.pop("prefetch")), bool(cfg.pop("weights_first"))
-    pf_mode = mode_for(pf_on, x.device, count_prefetch) if prefetch else 0
+    pf_mode = mode_for(pf_on and bool(prefetch), x.device, count_prefetch)
     if len(prefetch) > MAX_PREFETCH or any(
             not t.is_contiguous() or t.device != x.device or t.element_size() != w.element_size() for t in prefetch):
         raise ValueError(f"prefetch takes at most {MAX_PREFETCH} contiguous tensors on {x.device} with elements of "
@@ -124,9 +124,10 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     dummy = x  # (pointers of absent operands: never read)
     norm_w, eps = norm if norm is not None else (dummy, 0.0)
     grid = triton.cdiv(N, bn)
-    pf = list(prefetch if pf_mode else ())
+    pf = list(prefetch) if pf_mode else []
     line = line_elems(w.element_size())
-    pf_block = min(1024, max(16, triton.next_power_of_2(max([-(-(t.numel() // line + 2) // grid) for t in pf] or [1]))))
+    per_program = max((-(-(t.numel() // line + 2) // grid) for t in pf), default=1)  # lines each program names
+    pf_block = min(1024, max(16, triton.next_power_of_2(per_program)))
     pf += [w] * (MAX_PREFETCH - len(pf))  # (unused slots)
     matvec_kernel[(grid,)](
         x, add if add is not None else dummy, norm_w, w, w_up if w_up is not None else w,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._prefetch import line_elems, mode_for
+from ._prefetch import row_args
 from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_prompt_span, position_stride
 
@@ -148,9 +148,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     rows = cfg.pop("rows_per_program")
     heads_first = cfg.pop("heads_first")
     ahead = cfg.pop("prefetch_ahead")
-    line = line_elems(q.element_size())
-    pf = dict(pf_ahead=ahead, PF_MODE=mode_for(ahead > 0, q.device, count_prefetch and ahead > 0), PF_LINE=line,
-              PF_NL=max(1, blocks["BLOCK_D"] // line))
+    pf = dict(pf_ahead=ahead, **row_args(ahead > 0, q.device, count_prefetch, q.element_size(), blocks["BLOCK_D"]))
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
