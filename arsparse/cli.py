@@ -47,6 +47,14 @@ def cmd_generate(args) -> int:
         conds = torch.tensor([classes[i % len(classes)] for i in range(n)])
     if n < 1:
         raise ValueError(f"--num-images must be >= 1, got {n}")
+    if args.matvec:
+        from .kernels.triton.matvec import MAX_ROWS
+
+        per_image = 1 if cfg_scale == 1.0 else 2
+        if min(n, args.batch_size) * per_image > MAX_ROWS:
+            raise ValueError(f"--matvec (latency mode) takes batches of at most {MAX_ROWS // per_image} images "
+                             f"{'with' if per_image == 2 else 'without'} guidance; got {min(n, args.batch_size)}: "
+                             f"lower --batch-size, or drop --matvec (--compile suits larger batches)")
 
     out = Path(args.out)
     (out / "images").mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ def test_generate_writes_pngs_of_the_requested_size(tmp_path):
     assert json.loads((out / "generate.json").read_text())["num_images"] == 3
 
 
-def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys):
+def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
     assert main(["generate", "--model", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["generate", "--classes", "1,5000", "--out", str(tmp_path)]) == 2
@@ -39,6 +39,9 @@ def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys):
     assert "--dense-prefetch takes tiles ahead >= 0, got -1" in capsys.readouterr().err
     assert main(["generate", "--model", "random-small", "--matvec", "--compile", "--out", str(tmp_path)]) == 2
     assert "matvec=True takes neither compile" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the CPU takes the matvec kernels in the interpreter)
+    assert main(["generate", "--model", "random-small", "--matvec", "--num-images", "9", "--out", str(tmp_path)]) == 2
+    assert "takes batches of at most 8 images with guidance; got 9" in capsys.readouterr().err
 
 
 def test_models_and_convert(tmp_path, capsys):
