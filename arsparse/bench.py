@@ -87,7 +87,8 @@ def _matvec_launch() -> dict:
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
-          memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False) -> dict:
+          memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False,
+          streams: int = 1) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
@@ -112,7 +113,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, matvec=matvec, copy_bandwidth_gb_s=bw / 1e9, **_kernel_settings(),
+                compile=compile, matvec=matvec, streams=streams, copy_bandwidth_gb_s=bw / 1e9, **_kernel_settings(),
                 matvec_launch=_matvec_launch() if matvec else None)
 
     def result() -> dict:
@@ -125,7 +126,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
         policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
         budget = policy.prepare(gpt).budget(gpt.layout, cfg.n_layer, cfg.n_head)
         for kernel in kernels:
-            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy, matvec=matvec)
+            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy, matvec=matvec,
+                            streams=streams)
             for want in tqdm(batches, desc=f"bench {spec} {kernel}", unit="batch"):
                 B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
                 for attempt in range(4):
@@ -156,22 +158,22 @@ def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbyte
     run, c, _ = gen.prepare(cond, cfg_scale=cfg_scale, seed=seed)  # allocates, captures
     setup_s = time.perf_counter() - t0
     with torch.no_grad():  # warm-up: prefill and a few replays
-        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+        run.start(c)
         for _ in range(min(16, N - 1)):
-            run.graph.replay() if run.graph is not None else run.decode_step()
+            run.advance()
     torch.cuda.synchronize()
     e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     with torch.no_grad():
         e[0].record()
-        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=device))
+        run.start(c)
         e[1].record()
         for _ in range(N - 1):
-            run.graph.replay() if run.graph is not None else run.decode_step()
+            run.advance()
         e[2].record()
     torch.cuda.synchronize()
     prefill_ms, decode_ms = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
     total_s = (prefill_ms + decode_ms) / 1e3
-    R = run.cache.rows
+    R = run.rows
     kv_read = R * budget.read * cfg.kv_bytes_per_token(eb)  # mean over the decode steps
     floor_ms = (wbytes + kv_read) / bw * 1e3
     ms_step = decode_ms / (N - 1)
@@ -188,9 +190,9 @@ def _profile_step(run, c, N: int, steps: int = 3, top: int = 12) -> list:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
-        run._emit(run.prefill_logits(c), torch.zeros((), dtype=torch.long, device=c.device))
+        run.start(c)
         for _ in range(N // 2):
-            run.graph.replay() if run.graph is not None else run.decode_step()
+            run.advance()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
@@ -250,7 +252,7 @@ def cmd_bench(args) -> int:
         matvec.LAUNCH = matvec.parse_launch(args.matvec_launch)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
-                   out=args.out, profile=args.profile, matvec=args.matvec)
+                   out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
 
@@ -291,6 +293,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--matvec", action="store_true",
                    help="latency mode: steps of at most 16 rows (batch 8 with guidance) through Triton matrix-vector "
                         "kernels with the block's norms, RoPE, SwiGLU and residual adds folded in (not with --compile)")
+    b.add_argument("--streams", type=int, default=1, choices=[1, 2],
+                   help="2: each batch as two half batches on two CUDA streams in one graph (one half's attention "
+                        "beside the other's matrix products)")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
                         "heads_first, num_warps, num_stages, prefetch_ahead; see docs/bench/kernel-sweep.sh), "

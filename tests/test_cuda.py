@@ -307,6 +307,20 @@ def test_masked_t2i_engine_on_gpu(policy):
     assert torch.equal(graphed.sample_tokens(cond, seed=4, prompt_mask=full), graphed.sample_tokens(cond, seed=4))
 
 
+@pytest.mark.parametrize("policy,compile", [(None, False), ("diagonal", True)])
+def test_two_streams_in_one_graph_give_the_same_images_on_gpu(policy, compile):
+    """streams=2: two half batches captured into one CUDA graph on two streams (fp32, Triton kernels;
+    compiled blocks too) sample one runner's tokens."""
+    model = random_gpt("c2i", seed=15, image_tokens=64, n_kv_head=2)
+    cond = random_cond(model, 6)
+    make = lambda s: Generator(model, device="cuda", dtype="fp32", kernel="triton", policy=policy,  # noqa: E731
+                               compile=compile, streams=s)
+    one = make(1).sample_tokens(cond, seed=3, cfg_scale=2.0)
+    gen = make(2)
+    assert torch.equal(gen.sample_tokens(cond, seed=3, cfg_scale=2.0), one)
+    assert gen._runner.graph is not None and len(gen._runner.halves) == 2
+
+
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])
 def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol, monkeypatch):
     """Teacher forcing through the decode path with the matvec halves (2 rows: the steps and the

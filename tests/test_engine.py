@@ -113,6 +113,29 @@ def test_seeded_generation_reproducible_and_batch_independent():
     assert torch.equal(alone[0], mixed[1])
 
 
+@pytest.mark.parametrize("model_type,policy", [("c2i", None), ("t2i", "diagonal:local=3,rows=1,band=1,sinks=1")])
+def test_two_half_batches_give_the_same_images(model_type, policy):
+    """streams=2: the batch as two half runners (here 2 + 3 images, each its own cache; on the CPU one
+    after the other) samples the tokens of one runner, per-image sampling arguments and caption masks
+    going to the right half; a batch of one image runs whole."""
+    from arsparse.engine.split import SplitRunner
+
+    model = random_gpt(model_type, seed=8)
+    cond = random_cond(model, 5, seed=3)
+    P = model.config.cls_token_num
+    mask = torch.arange(P)[None, :] >= torch.tensor([0, 2, 1, 3, 0])[:, None] if model_type == "t2i" else None
+    kw = dict(cfg_scale=[1.5, 3.0, 2.0, 4.0, 1.0], temperature=[1.0, 0.7, 1.2, 1.0, 0.9], top_k=[0, 5, 0, 3, 0],
+              seed=[4, 5, 6, 7, 8], prompt_mask=mask)
+    one = Generator(model, device="cpu", policy=policy).sample_tokens(cond, **kw)
+    gen = Generator(model, device="cpu", policy=policy, streams=2)
+    assert torch.equal(gen.sample_tokens(cond, **kw), one)
+    assert isinstance(gen._runner, SplitRunner) and [r.plan.batch for r in gen._runner.halves] == [2, 3]
+    assert torch.equal(gen.sample_tokens(cond[3:4], **{k: v[3:4] for k, v in kw.items() if v is not None}), one[3:4])
+    assert not isinstance(gen._runner, SplitRunner)
+    with pytest.raises(ValueError, match="streams must be 1 or 2, got 3"):
+        Generator(model, device="cpu", streams=3)
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=-2), "top_k"),

@@ -99,11 +99,39 @@ class _Plan:
     masked: bool = False
 
 
-class _Runner:
-    """Static buffers and the prefill/decode steps for one plan."""
+def step_buffers(b: int, N: int, device) -> dict[str, torch.Tensor]:
+    """A runner's per-image buffers for ``b`` images: last sampled token, output (b, N), and the
+    sampling arguments (as ``Generator.prepare`` fills them)."""
+    z = dict(device=device)
+    return dict(cur=torch.zeros(b, dtype=torch.long, **z), out=torch.zeros(b, N, dtype=torch.long, **z),
+                keys=torch.zeros(b, dtype=torch.long, **z), temperature=torch.ones(b, **z),
+                top_k=torch.zeros(b, dtype=torch.long, **z), top_p=torch.ones(b, **z), cfg_scale=torch.ones(b, **z),
+                cfg_interval=torch.full((b,), -1, dtype=torch.long, **z))
+
+
+class _Stepping:
+    """What drives a runner: ``start`` (prefill and the first token), ``decode_step``, ``graph``, ``out``."""
+
+    def advance(self) -> None:
+        """One decode step (the captured graph when there is one)."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.decode_step()
+
+    def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
+        self.start(cond)
+        for _ in tqdm(range(self.N - 1), disable=not progress, desc="decode", unit="tok", leave=False):
+            self.advance()
+        return self.out
+
+
+class _Runner(_Stepping):
+    """Static buffers and the prefill/decode steps for one plan (``buffers``: views to use instead of
+    its own, as :func:`step_buffers` makes them)."""
 
     def __init__(self, gpt: GPT, plan: _Plan, device: torch.device, use_graphs: bool, kernel: str = "torch",
-                 compile_step: bool = False, policy=None):
+                 compile_step: bool = False, policy=None, buffers: dict | None = None):
         cfg = gpt.config
         self.gpt, self.plan, self.P, self.N = gpt, plan, cfg.cls_token_num, cfg.image_tokens
         b = plan.batch
@@ -112,15 +140,8 @@ class _Runner:
             self.cache = DenseKVCache(cfg, rows, gpt.dtype, device, kernel=kernel)
         else:
             self.cache = policy.make_cache(cfg, rows, gpt.dtype, device, kernel=kernel)
-        z = dict(device=device)
-        self.cur = torch.zeros(b, dtype=torch.long, **z)  # last sampled token per image
-        self.out = torch.zeros(b, self.N, dtype=torch.long, **z)  # (B, N)
-        self.keys = torch.zeros(b, dtype=torch.long, **z)
-        self.temperature = torch.ones(b, **z)
-        self.top_k = torch.zeros(b, dtype=torch.long, **z)
-        self.top_p = torch.ones(b, **z)
-        self.cfg_scale = torch.ones(b, **z)
-        self.cfg_interval = torch.full((b,), -1, dtype=torch.long, **z)
+        for name, t in (buffers or step_buffers(b, self.N, device)).items():
+            setattr(self, name, t)  # cur (b,), out (b, N), keys, temperature, top_k, top_p, cfg_scale, cfg_interval
         self.graph = None
         if plan.masked:  # the mask buffers exist before the step is captured; set_prompt_mask refills them
             self.cache.set_prompt_mask(torch.ones(rows, self.P, dtype=torch.bool, device=device))
@@ -181,7 +202,13 @@ class _Runner:
         step = self.cache.pos - (self.P - 1)  # index of the token being sampled
         self._emit(self.step_logits(), step)
 
-    def _capture(self) -> None:
+    @property
+    def rows(self) -> int:
+        """Sequences in the cache (guidance rows included)."""
+        return self.cache.rows
+
+    def warm_up(self) -> None:
+        """A few eager decode steps on a side stream: what the step touches is initialised before capture."""
         self.cache.phase = "decode"
         self.cache.pos.fill_(self.P)
         stream = torch.cuda.Stream()
@@ -190,6 +217,9 @@ class _Runner:
             for _ in range(3):
                 self.decode_step()
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture(self) -> None:
+        self.warm_up()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.decode_step()
@@ -198,18 +228,6 @@ class _Runner:
         """Prefill ``cond`` and sample the first token of every image."""
         self._emit(self.prefill_logits(cond), torch.zeros((), dtype=torch.long, device=cond.device))
 
-    def advance(self) -> None:
-        """One decode step (the captured graph when there is one)."""
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.decode_step()
-
-    def run(self, cond: torch.Tensor, progress: bool) -> torch.Tensor:
-        self.start(cond)
-        for _ in tqdm(range(self.N - 1), disable=not progress, desc="decode", unit="tok", leave=False):
-            self.advance()
-        return self.out
 
 
 class Generator:
@@ -246,11 +264,15 @@ class Generator:
         with RMSNorm, RoPE, SwiGLU and the residual adds folded in: five launches per block
         (:mod:`arsparse.models.matvec_blocks`; latency mode); on a GPU the sampling is compiled. Not
         with ``compile``; CUDA, or the CPU under ``TRITON_INTERPRET=1`` (default: off).
+    streams : {1, 2}, optional
+        2: a batch of at least two images runs as two half batches, each its own cache and step, captured
+        into one CUDA graph on two streams, so that one half's attention can run beside the other's
+        matrix products (:mod:`arsparse.engine.split`; the same images). Default 1.
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,
                  kernel: str | None = None, compile: bool | str = False, policy=None, compile_dynamic: bool = False,
-                 matvec: bool = False):
+                 matvec: bool = False, streams: int = 1):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.gpt = gpt.to(device=self.device, dtype=self.dtype).eval()
@@ -290,6 +312,9 @@ class Generator:
         self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
+        if streams not in (1, 2):
+            raise ValueError(f"streams must be 1 or 2, got {streams!r}")
+        self.streams = streams
         self._runner: _Runner | None = None
 
     @property
@@ -316,8 +341,11 @@ class Generator:
     def _runner_for(self, plan: _Plan) -> _Runner:
         if self._runner is None or self._runner.plan != plan:
             self.release()  # free the old cache before allocating the new one
-            self._runner = _Runner(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self._compile_step,
-                                   self.policy)
+            kind = _Runner
+            if self.streams == 2 and plan.batch >= 2:
+                from .split import SplitRunner as kind
+            self._runner = kind(self.gpt, plan, self.device, self.cuda_graphs, self.kernel, self._compile_step,
+                                self.policy)
         return self._runner
 
     @torch.no_grad()
