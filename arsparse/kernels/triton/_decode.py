@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from ._prefetch import touch
+from ._prefetch import touch_rows
 
 
 @triton.jit
@@ -11,15 +11,6 @@ def _finite_max(m, GUARD: tl.constexpr):
     if GUARD:
         m = tl.where(m == float("-inf"), 0.0, m)
     return m
-
-
-@triton.jit
-def _touch_tile(k_base, v_base, n, end, s_s, dl, D, MODE: tl.constexpr):
-    """Prefetch (or count) the lines of K and V at positions ``n`` (BN,) below ``end`` (K and V share strides)."""
-    m = (n < end)[:, None] & (dl < D)[None, :]  # (BN, NL)
-    off = tl.where(m, n[:, None] * s_s + dl[None, :], 0)
-    touch(k_base + off, m, MODE)
-    touch(v_base + off, m, MODE)
 
 
 @triton.jit
@@ -73,7 +64,8 @@ def decode_split_kernel(
     if PF_MODE != 0:
         dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) line starts within a row of D
         for t in tl.static_range(1, PF_TILES):
-            _touch_tile(k_base, v_base, start + t * BLOCK_N + offs_n, end, sk_s, dl, D, PF_MODE)
+            n_ahead = start + t * BLOCK_N + offs_n
+            touch_rows(k_base, v_base, 0, n_ahead, n_ahead < end, sk_s, dl, D, PF_MODE)
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
@@ -90,7 +82,8 @@ def decode_split_kernel(
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if PF_MODE != 0:
-                _touch_tile(k_base, v_base, n + PF_TILES * BLOCK_N, end, sk_s, dl, D, PF_MODE)
+                n_pf = n + PF_TILES * BLOCK_N
+                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, dl, D, PF_MODE)
             s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
             m_ref = _finite_max(m_new, HAS_SPAN)
@@ -116,7 +109,8 @@ def decode_split_kernel(
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if PF_MODE != 0:
-                _touch_tile(k_base, v_base, n + PF_TILES * BLOCK_N, end, sk_s, dl, D, PF_MODE)
+                n_pf = n + PF_TILES * BLOCK_N
+                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, dl, D, PF_MODE)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
             s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))

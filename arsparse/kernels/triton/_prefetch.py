@@ -60,3 +60,13 @@ def touch_range(P, numel, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr, M
         mask = line < end
         elem = tl.minimum(tl.where(mask, line, l0) * LINE, numel - 1)
         touch(P + elem, mask, MODE)
+
+
+@triton.jit
+def touch_rows(K, V, base, idx, keep, s_s, dl, D, MODE: tl.constexpr):
+    """Prefetch (or count) the lines of cache rows ``base + idx * s_s`` of K and V (same strides) where
+    ``keep`` (BX,); ``dl`` (NL,): the line starts within a row of D elements."""
+    m = keep[:, None] & (dl < D)[None, :]  # (BX, NL)
+    off = tl.where(m, base + idx[:, None] * s_s + dl[None, :], 0)
+    touch(K + off, m, MODE)
+    touch(V + off, m, MODE)

@@ -21,7 +21,7 @@ sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this for
 import triton
 import triton.language as tl
 
-from ._prefetch import touch
+from ._prefetch import touch_rows
 
 
 @triton.jit
@@ -74,7 +74,6 @@ def ring_decode_kernel(
         hk_t = h_t // G
         o_t = tl.load(OFF + h_t * so_h + jo, mask=jo < n_off, other=-1)
         dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) the line starts within a row of D
-        dlm = dl < D
     for r in tl.range(0, ROWS):
         row = block * ROWS + r
         live = row < B
@@ -88,18 +87,11 @@ def ring_decode_kernel(
             b_t = tl.minimum(row_t, B - 1)
             pos_t = tl.load(POS + b_t * spos)
             kpos_t = pos_t - o_t
-            m = tl.where(ok_t, ((o_t >= 0) & (kpos_t >= P + S))[:, None] & dlm[None, :], False)  # (BO, NL)
-            off_t = tl.where(m, b_t * sr_b + hk_t * sr_h + ((kpos_t - P) % W)[:, None] * sr_s + dl[None, :], 0)
-            touch(RK + off_t, m, PF_MODE)
-            touch(RV + off_t, m, PF_MODE)
-            m = tl.where(ok_t, (jp < P)[:, None] & dlm[None, :], False)
-            off_t = tl.where(m, b_t * sp_b + hk_t * sp_h + jp[:, None] * sp_s + dl[None, :], 0)
-            touch(PK + off_t, m, PF_MODE)
-            touch(PV + off_t, m, PF_MODE)
-            m = tl.where(ok_t, ((js < S) & (js <= pos_t - P))[:, None] & dlm[None, :], False)
-            off_t = tl.where(m, b_t * ss_b + hk_t * ss_h + js[:, None] * ss_s + dl[None, :], 0)
-            touch(SK + off_t, m, PF_MODE)
-            touch(SV + off_t, m, PF_MODE)
+            touch_rows(RK, RV, b_t * sr_b + hk_t * sr_h, (kpos_t - P) % W,
+                       tl.where(ok_t, (o_t >= 0) & (kpos_t >= P + S), False), sr_s, dl, D, PF_MODE)
+            touch_rows(PK, PV, b_t * sp_b + hk_t * sp_h, jp, tl.where(ok_t, jp < P, False), sp_s, dl, D, PF_MODE)
+            touch_rows(SK, SV, b_t * ss_b + hk_t * ss_h, js, tl.where(ok_t, (js < S) & (js <= pos_t - P), False),
+                       ss_s, dl, D, PF_MODE)
         q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
         kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
         vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
