@@ -60,6 +60,16 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
+    # the epilogue's operands, asked for before the product waits on anything
+    if HAS_RES:
+        res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    if HAS_ROPE:  # the cos/sin of each interleaved pair (2j, 2j + 1) of a head
+        col = pid * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first column
+        pair = (col % head_dim) // 2
+        tmask = mmask[:, None] & (col < rope_hi)[None, :]
+        t_off = rm[:, None] * srope_m + 2 * pair[None, :]
+        cos = tl.load(ROPE + t_off, mask=tmask, other=1.0)  # (BM, BN/2)
+        sin = tl.load(ROPE + t_off + 1, mask=tmask, other=0.0)
     if ONE_CHUNK:  # the whole row in one chunk: the weights are asked for first, the input read once
         kmask = rk < K
         wmask = nmask[:, None] & kmask[None, :]
@@ -110,16 +120,9 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
         s = (y / (1.0 + tl.exp(-y))).to(out_dtype).to(tl.float32)
         y = s * acc3.to(out_dtype).to(tl.float32)
     if HAS_RES:
-        y += tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :],
-                     other=0.0).to(tl.float32)
-    if HAS_ROPE:  # interleaved pairs (2j, 2j + 1) of each head: a * cos - b * sin, b * cos + a * sin
+        y += res.to(tl.float32)
+    if HAS_ROPE:  # a * cos - b * sin, b * cos + a * sin
         a, b = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # (BM, BN/2) each
-        col = pid * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first column
-        pair = (col % head_dim) // 2
-        tmask = mmask[:, None] & (col < rope_hi)[None, :]
-        t_off = rm[:, None] * srope_m + 2 * pair[None, :]
-        cos = tl.load(ROPE + t_off, mask=tmask, other=1.0)
-        sin = tl.load(ROPE + t_off + 1, mask=tmask, other=0.0)
         y = tl.reshape(tl.join(a * cos - b * sin, b * cos + a * sin), (BLOCK_M, BLOCK_N))
     tl.store(Y + rm[:, None] * sy_m + rn[None, :], y.to(out_dtype), mask=mmask[:, None] & nmask[None, :])
     if PF_MODE != 0:
