@@ -8,6 +8,7 @@ kernel must not read (past the position, not in the read set, or about to be ove
 """
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,6 +192,49 @@ def test_dense_prefetch_names_each_split_s_tiles_after_its_first(monkeypatch, ti
     assert torch.equal(kc, want) and torch.equal(vc, want)
 
 
+def _guarded(shape, guard=4096, pad=0):
+    """A zero fp32 tensor of ``shape`` (its last dim padded by ``pad`` in memory) inside a buffer with
+    ``guard`` zeros on each side: -> (tensor, the two guard zones)."""
+    *lead, d = shape
+    n = int(np.prod(lead)) * (d + pad)
+    buf = torch.zeros(2 * guard + n)
+    t = buf[guard: guard + n].view(*lead, d + pad)[..., :d]
+    return t, (buf[:guard], buf[guard + n:])
+
+
+@pytest.mark.parametrize("heads_first,rows,D", [(False, 1, 64), (True, 2, 48), (False, 3, 100)])
+def test_ring_prefetch_lanes_stay_inside_the_caches(heads_first, rows, D):
+    """Every lane's prefetch address, masked lanes too (as the GPU sends them), lies inside its cache."""
+    B, H, Hkv, P, S, W = 5, 4, 2, 3, 2, 8
+    g = torch.Generator().manual_seed(rows + D)
+    offsets = random_offsets(g, H, 6, W)
+    pos = torch.tensor([P, P + 1, P + 9, P + 20, P + 4])  # from the first image token on
+    made = [_guarded((B, Hkv, n, D)) for n in (P, P, S + 1, S + 1, W, W)]
+    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    for ahead in (1, 3, 7, 50):
+        ring_decode_attention(q, k_new, v_new, *(t for t, _ in made), offsets, pos, S, count_prefetch="lanes",
+                              launch=dict(prefetch_ahead=ahead, rows_per_program=rows, heads_first=heads_first))
+    assert sum(int((t != 0).sum()) for t, _ in made) > 0
+    for _, guards in made:
+        assert all(not z.any() for z in guards)
+
+
+@pytest.mark.parametrize("tiles,splits", [(1, 3), (3, 1), (5, 2)])
+def test_dense_prefetch_lanes_stay_inside_k_and_v(monkeypatch, tiles, splits):
+    """Every lane's prefetch address lies inside K or V, K here with padded rows (strides unlike V's)."""
+    from arsparse.kernels.triton import decode
+
+    monkeypatch.setattr(decode, "BLOCK_N", 8)
+    monkeypatch.setattr(decode, "PREFETCH_TILES", tiles)
+    B, H, Hkv, S, D = 2, 4, 2, 40, 48
+    g = torch.Generator().manual_seed(tiles)
+    (kc, k_guards), (vc, v_guards) = _guarded((B, Hkv, S, D), pad=16), _guarded((B, Hkv, S, D))
+    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    decode_attention(q, k_new, v_new, kc, vc, torch.tensor([17, 39]), num_splits=splits, count_prefetch="lanes")
+    assert (vc != 0).sum() > 0
+    assert all(not z.any() for z in (*k_guards, *v_guards))
+
+
 def test_dense_kernel_compiles_for_hopper():
     """The split kernel's builds for sm_90 (see conftest.compile_for_hopper): the engine's, and with
     prefetching (its PTX must hold the prefetch instructions)."""
@@ -256,6 +300,16 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
                       ("prefetch_ahead=-1", "an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
+
+
+def test_caches_past_32_bit_offsets_are_refused():
+    from arsparse.kernels.triton.decode import check_offsets_fit
+
+    check_offsets_fit(k=torch.empty(2**15, 2**16, device="meta"))  # farthest element 2**31 - 1: fits
+    with pytest.raises(ValueError, match="k_cache spans 2,147,581,953 elements, past the 2\\*\\*31"):
+        check_offsets_fit(k_cache=torch.empty(2**15 + 1, 2**16 + 1, device="meta"))
+    wide = torch.empty(2, 4, 8, 64).as_strided((2, 4, 8, 64), (0, 0, 0, 1))  # strides, not sizes, set the extent
+    check_offsets_fit(v=wide)
 
 
 def test_ring_kernel_rejects_bad_input():

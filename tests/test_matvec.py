@@ -22,7 +22,7 @@ def _tol(dtype):
 @pytest.mark.parametrize("M,K,N,dtype,launch", [
     (2, 96, 80, torch.float32, None),  # a part block of columns and of the reduction
     (2, 96, 80, torch.float32, dict(weights_first=1)),  # the row in one chunk, weights loaded first
-    (1, 300, 33, torch.float32, dict(block_n=32, block_k=64, weights_first=1)),  # one row; K, N off the blocks
+    (1, 300, 33, torch.float32, dict(block_n=32, block_k=512, weights_first=1)),  # one row; K, N off the blocks
     (16, 64, 48, torch.bfloat16, dict(weights_first=1)),  # the most rows
     (5, 200, 40, torch.bfloat16, dict(block_n=16, block_k=32)),
 ])
@@ -86,7 +86,12 @@ def test_matvec_prefetch_names_every_line_once(poisoned_empty, block_n, sizes):
         want[-1] += 1
         assert torch.equal(t.cpu(), want)
     with pytest.raises(ValueError, match="prefetch takes at most 3 contiguous tensors"):
-        matvec(x, w, prefetch=(w.half(),))
+        matvec(x, w, prefetch=(w.half(),), launch=dict(prefetch=1))
+    # every lane's address, masked lanes too, inside its tensor (one starting off a line), none for an empty one
+    buf = torch.zeros(3 * 4096, device=DEVICE)
+    inner, empty = buf[4096 + 1: 4096 + 1 + 1500], buf[4096:4096]
+    matvec(x, w, prefetch=(inner, empty), count_prefetch="lanes", launch=dict(block_n=block_n, prefetch=1))
+    assert inner.any() and not buf[:4097].any() and not buf[4097 + 1500:].any()
 
 
 def test_matvec_launch_settings_parse_and_reject_bad_ones():

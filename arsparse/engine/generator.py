@@ -267,7 +267,7 @@ class Generator:
     streams : {1, 2}, optional
         2: a batch of at least two images runs as two half batches, each its own cache and step, captured
         into one CUDA graph on two streams, so that one half's attention can run beside the other's
-        matrix products (:mod:`arsparse.engine.split`; the same images). Default 1.
+        matrix products (:mod:`arsparse.engine.split`; the same images up to float rounding). Default 1.
     """
 
     def __init__(self, gpt: GPT, tokenizer=None, device=None, dtype=None, cuda_graphs: bool | None = None,

@@ -4,8 +4,11 @@ A decode step is, layer after layer, attention that waits on memory then matrix 
 on arithmetic, and at batch 256 a projection's tiles do not fill an H200's 132 SMs. Two independent
 half batches, each with its own cache and step, captured into one CUDA graph on two streams (forked
 from the capturing stream and joined back), leave the GPU free to run one half's attention beside the
-other's matrix products. The images are the same as with one runner: every image keeps its own
-sampling key, and the halves are separate sequences.
+other's matrix products. The images are those of one runner up to float rounding: every image keeps
+its own sampling key and the halves are separate sequences, but a half's kernels may split their
+sums differently (a split-KV kernel chooses its splits by the rows; cuBLAS its tiles), which can
+flip a near-tied token. (``arsparse bench --profile`` profiles eager steps: the halves one after the
+other, not overlapped.)
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def decode_split_kernel(
         dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) line starts within a row of D
         for t in tl.static_range(1, PF_TILES):
             n_ahead = start + t * BLOCK_N + offs_n
-            touch_rows(k_base, v_base, 0, n_ahead, n_ahead < end, sk_s, dl, D, PF_MODE)
+            touch_rows(k_base, v_base, 0, n_ahead, n_ahead < end, sk_s, sv_s, dl, D, PF_MODE)
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
@@ -83,7 +83,7 @@ def decode_split_kernel(
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if PF_MODE != 0:
                 n_pf = n + PF_TILES * BLOCK_N
-                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, dl, D, PF_MODE)
+                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, sv_s, dl, D, PF_MODE)
             s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
             m_ref = _finite_max(m_new, HAS_SPAN)
@@ -110,7 +110,7 @@ def decode_split_kernel(
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             if PF_MODE != 0:
                 n_pf = n + PF_TILES * BLOCK_N
-                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, dl, D, PF_MODE)
+                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, sv_s, dl, D, PF_MODE)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
             s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -5,9 +5,10 @@ A program can instead name lines that a later launch (matvec: the next projectio
 later program of its own launch (ring: the program ``ahead`` places on) will read, so that they
 come from the L2 when asked for. ``prefetch.global.L2`` writes no register and is not waited for.
 
-Modes (a constexpr): 0 off; 1 prefetch (CUDA); 2 count, for tests in the interpreter, which cannot
-run PTX: add 1 at each address instead (fp32 buffers), so a test sees exactly which lines a launch
-names.
+Modes (a constexpr): 0 off; 1 prefetch (CUDA); for tests in the interpreter, which cannot run PTX
+(fp32 buffers): 2 adds 1 at each address a launch names, so a test sees exactly which lines; 3 adds
+1 at every lane's address, masked lanes too, as mode 1 sends them, so a test can check that none
+falls outside the tensor.
 """
 import triton
 import triton.language as tl
@@ -21,15 +22,20 @@ def line_elems(element_size: int) -> int:
     return max(1, LINE_BYTES // element_size)
 
 
-def mode_for(enabled: bool, device, count: bool = False) -> int:
-    """The kernels' PF_MODE: 0 unless ``enabled``; then 2 if ``count`` (tests), else 1 on CUDA and 0
-    elsewhere (the interpreter cannot run the PTX, and prefetching changes no result)."""
+COUNT_MODES = {False: None, True: 2, "lanes": 3}
+
+
+def mode_for(enabled: bool, device, count: bool | str = False) -> int:
+    """The kernels' PF_MODE: 0 unless ``enabled``; then for tests ``count`` True -> 2, ``"lanes"`` -> 3;
+    else 1 on CUDA and 0 elsewhere (the interpreter cannot run the PTX; prefetching changes no result)."""
+    if count not in COUNT_MODES:
+        raise ValueError(f"count_prefetch must be False, True or 'lanes', got {count!r}")
     if not enabled:
         return 0
-    return 2 if count else int(device.type == "cuda")
+    return COUNT_MODES[count] or int(device.type == "cuda")
 
 
-def row_args(enabled: bool, device, count: bool, element_size: int, block_d: int) -> dict:
+def row_args(enabled: bool, device, count: bool | str, element_size: int, block_d: int) -> dict:
     """PF_MODE, PF_LINE, PF_NL of a kernel that prefetches cache rows of ``block_d`` elements (NL lines each)."""
     line = line_elems(element_size)
     return dict(PF_MODE=mode_for(enabled, device, count), PF_LINE=line, PF_NL=max(1, block_d // line))
@@ -45,6 +51,8 @@ def touch(ptrs, mask, MODE: tl.constexpr):
                                   dtype=tl.int32, is_pure=False, pack=1)
     elif MODE == 2:
         tl.atomic_add(ptrs, 1.0, mask=mask)
+    elif MODE == 3:  # every lane, as MODE 1 addresses them: a test's guard zones around the tensor stay 0
+        tl.atomic_add(ptrs, 1.0)
 
 
 @triton.jit
@@ -63,10 +71,9 @@ def touch_range(P, numel, pid, nprog, LINE: tl.constexpr, BLOCK: tl.constexpr, M
 
 
 @triton.jit
-def touch_rows(K, V, base, idx, keep, s_s, dl, D, MODE: tl.constexpr):
-    """Prefetch (or count) the lines of cache rows ``base + idx * s_s`` of K and V (same strides) where
-    ``keep`` (BX,); ``dl`` (NL,): the line starts within a row of D elements."""
+def touch_rows(K, V, base, idx, keep, sk, sv, dl, D, MODE: tl.constexpr):
+    """Prefetch (or count) the lines of cache rows ``base + idx * sk`` of K and ``base + idx * sv`` of V
+    where ``keep`` (BX,); ``dl`` (NL,): the line starts within a row of D elements."""
     m = keep[:, None] & (dl < D)[None, :]  # (BX, NL)
-    off = tl.where(m, base + idx[:, None] * s_s + dl[None, :], 0)
-    touch(K + off, m, MODE)
-    touch(V + off, m, MODE)
+    touch(K + tl.where(m, base + idx[:, None] * sk + dl[None, :], 0), m, MODE)
+    touch(V + tl.where(m, base + idx[:, None] * sv + dl[None, :], 0), m, MODE)

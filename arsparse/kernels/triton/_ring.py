@@ -88,10 +88,11 @@ def ring_decode_kernel(
             pos_t = tl.load(POS + b_t * spos)
             kpos_t = pos_t - o_t
             touch_rows(RK, RV, b_t * sr_b + hk_t * sr_h, (kpos_t - P) % W,
-                       tl.where(ok_t, (o_t >= 0) & (kpos_t >= P + S), False), sr_s, dl, D, PF_MODE)
-            touch_rows(PK, PV, b_t * sp_b + hk_t * sp_h, jp, tl.where(ok_t, jp < P, False), sp_s, dl, D, PF_MODE)
+                       tl.where(ok_t, (o_t >= 0) & (kpos_t >= P + S), False), sr_s, sr_s, dl, D, PF_MODE)
+            touch_rows(PK, PV, b_t * sp_b + hk_t * sp_h, jp, tl.where(ok_t, jp < P, False), sp_s, sp_s, dl, D,
+                       PF_MODE)
             touch_rows(SK, SV, b_t * ss_b + hk_t * ss_h, js, tl.where(ok_t, (js < S) & (js <= pos_t - P), False),
-                       ss_s, dl, D, PF_MODE)
+                       ss_s, ss_s, dl, D, PF_MODE)
         q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
         kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
         vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)

@@ -47,6 +47,15 @@ def check_prompt_span(span, B: int, device: torch.device) -> None:
                          f"got {span.dtype} {tuple(span.shape)} on {span.device}")
 
 
+def check_offsets_fit(**tensors: torch.Tensor) -> None:
+    """The kernels address a tensor with 32-bit element offsets: its farthest element must lie below 2**31."""
+    for name, t in tensors.items():
+        extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n)
+        if extent >= 2**31:
+            raise ValueError(f"{name} spans {extent + 1:,} elements, past the 2**31 that the Triton kernels' 32-bit "
+                             f"offsets reach: use a smaller batch (or the PyTorch kernels, kernel='torch')")
+
+
 def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
     """The new token's keys and values: (B, Hkv, D) each, the cache's dtype, unit last stride."""
     for name, t in (("k_new", k_new), ("v_new", v_new)):
@@ -59,7 +68,7 @@ def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None,
                      num_splits: int | None = None, prompt_span: torch.Tensor | None = None,
-                     prompt_len: int = 0, count_prefetch: bool = False) -> torch.Tensor:
+                     prompt_len: int = 0, count_prefetch: bool | str = False) -> torch.Tensor:
     """Write the new token at ``pos`` and attend over cache positions ``0..pos``, in one kernel.
 
     The cache is read only below ``pos``; the new token's K/V are written to slot ``pos`` and used
@@ -76,7 +85,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         (those below ``prompt_len``) only in ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty
         range; padded positions are not read. None (the default): no padding, no extra loads.
     count_prefetch : tests: with :data:`PREFETCH_TILES`, add 1 at the start of every line the splits
-        name instead of prefetching (fp32 caches; the interpreter too)
+        name instead of prefetching (fp32 caches; the interpreter too); ``"lanes"``: every lane's address
     Returns (B, H, D) in q's dtype; fp32 accumulation.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -91,6 +100,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a unit stride in the last (head) dimension")
     check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
+    check_offsets_fit(k_cache=k_cache, v_cache=v_cache)
     spos = position_stride(pos, B, q.device)
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)

@@ -58,7 +58,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device)
 def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
            norm: tuple[torch.Tensor, float] | None = None, w_up: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, rope: tuple[torch.Tensor, int, int] | None = None,
-           prefetch: tuple[torch.Tensor, ...] = (), launch: dict | None = None, count_prefetch: bool = False):
+           prefetch: tuple[torch.Tensor, ...] = (), launch: dict | None = None, count_prefetch: bool | str = False):
     """``y = op(x) @ w.T`` for a few rows, in one kernel.
 
     Parameters
@@ -76,7 +76,8 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         programs prefetch them into the L2 after their own work (nothing changes in the result)
     launch : overrides of :data:`LAUNCH`
     count_prefetch : tests: with ``prefetch=1``, add 1 at the first element of every line ``prefetch``
-        names (fp32 tensors) instead of prefetching, in the interpreter too
+        names (fp32 tensors) instead of prefetching, in the interpreter too; ``"lanes"``: at every
+        lane's address, masked ones too
 
     Returns (M, N) in x's dtype, and with ``add`` also ``x + add`` (M, K).
     """
@@ -103,6 +104,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
     pf_on, weights_first = bool(cfg.pop("prefetch")), bool(cfg.pop("weights_first"))
+    prefetch = tuple(t for t in prefetch if t.numel())  # (an empty tensor has no line to name)
     pf_mode = mode_for(pf_on and bool(prefetch), x.device, count_prefetch)
     if len(prefetch) > MAX_PREFETCH or any(
             not t.is_contiguous() or t.device != x.device or t.element_size() != w.element_size() for t in prefetch):

@@ -6,7 +6,7 @@ import triton
 
 from ._prefetch import row_args
 from ._ring import ring_decode_kernel
-from .decode import check_new_kv, check_prompt_span, position_stride
+from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position_stride
 
 #: Settings of the kernel (chosen by sweeps on an H200 and checked in whole decode steps, BENCHMARKS.md
 #: runs 6 and 7): rows of one query head per program, K/V tiles kept in the cache's dtype until the
@@ -67,7 +67,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
                           prompt_span: torch.Tensor | None = None,
                           rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          count_prefetch: bool = False) -> torch.Tensor:
+                          count_prefetch: bool | str = False) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -96,7 +96,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         caller adds it before the launch; the kernel only reads them). Each head then also attends to
         the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
     count_prefetch : tests: with ``prefetch_ahead``, add 1 at the start of every line the programs
-        name instead of prefetching (fp32 caches; the interpreter too)
+        name instead of prefetching (fp32 caches; the interpreter too); ``"lanes"``: every lane's address
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -122,6 +122,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     if q.stride(-1) != 1 or not offsets.is_contiguous():
         raise ValueError("q needs a unit last stride and offsets must be contiguous")
     check_new_kv(k_new, v_new, B, Hkv, D, q.dtype)
+    check_offsets_fit(**tensors)
     spos = position_stride(pos, B, q.device)
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from ._slots import slots_combine_kernel, slots_split_kernel
-from .decode import check_prompt_span, choose_splits
+from .decode import check_offsets_fit, check_prompt_span, choose_splits
 
 BLOCK_N = 64  # slots per block of the split pass
 BLOCK_C = 64  # slots per block of the weights pass
@@ -56,6 +56,7 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
                              f"got {t.dtype} on {t.device} with strides {t.stride()}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or q.stride(-1) != 1:
         raise ValueError(f"q must be fp16, bf16 or fp32 with a unit last stride, got {q.dtype} strides {q.stride()}")
+    check_offsets_fit(**tensors)
     if prompt_k.stride() != prompt_v.stride() or slot_k.stride() != slot_v.stride():
         raise ValueError("keys and values must have the same strides (prompt_k/prompt_v, slot_k/slot_v)")
     if H % Hkv:
