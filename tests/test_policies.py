@@ -221,6 +221,10 @@ def test_throughput_mode_turns_freed_memory_into_batch():
     assert b_diag > 4 * b_dense
     with pytest.raises(ValueError, match="do not fit even one image"):
         max_batch(gpt, None, 1 << 30)
+    # with memory to spare, the Triton kernels' 32-bit offsets bound one layer's K: kv heads x positions x dim
+    per_seq = cfg.kv_heads * cfg.seq_len * cfg.head_dim
+    assert max_batch(gpt, None, 1 << 50) == (2**31 - 1) // per_seq // 2
+    assert max_batch(gpt, None, 1 << 50, guidance=False) == (2**31 - 1) // per_seq
 
 
 def test_bench_ratios_against_dense():

@@ -23,7 +23,8 @@ def step_workspace_per_sequence(gpt: GPT) -> int:
 
 def max_batch(gpt: GPT, policy=None, memory_bytes: int | None = None, guidance: bool = True,
               dtype: torch.dtype = torch.bfloat16, reserve_bytes: int = 2 << 30) -> int:
-    """Images that fit: (memory - weights - reserve) / (sequences per image x (cache + workspace)).
+    """Images that fit: (memory - weights - reserve) / (sequences per image x (cache + workspace)), and
+    at most as many as keep each layer's cache tensors within the Triton kernels' 32-bit offsets.
 
     ``memory_bytes`` defaults to the free memory of the current CUDA device, counting what PyTorch's
     allocator holds but does not use as free.
@@ -33,9 +34,12 @@ def max_batch(gpt: GPT, policy=None, memory_bytes: int | None = None, guidance: 
             raise ValueError("memory_bytes is needed without a CUDA device")
         memory_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     weights = sum(p.numel() for p in gpt.parameters()) * torch.finfo(dtype).bits // 8
-    per_image = (2 if guidance else 1) * (cache_bytes_per_sequence(gpt, policy, dtype) + step_workspace_per_sequence(gpt))
+    seq_bytes = cache_bytes_per_sequence(gpt, policy, dtype)
+    per_image = (2 if guidance else 1) * (seq_bytes + step_workspace_per_sequence(gpt))
     free = memory_bytes - weights - reserve_bytes
     if free < per_image:
         raise ValueError(f"{memory_bytes / 2**30:.1f} GiB do not fit even one image: weights take "
                          f"{weights / 2**30:.2f} GiB and one image needs {per_image / 2**20:.1f} MiB")
-    return int(free // per_image)
+    # a layer's keys (or values) of one sequence, all its tensors together: no single tensor is larger
+    per_tensor = max(1, seq_bytes // (2 * gpt.config.n_layer * (torch.finfo(dtype).bits // 8)))
+    return min(int(free // per_image), (2**31 - 1) // per_tensor // (2 if guidance else 1))
