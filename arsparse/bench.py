@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +35,66 @@ class BenchRow:
     ratio_to_floor: float
     setup_s: float  # allocation, compilation and graph capture for this batch
     profile: list | None = None  # [(kernel, ms per step)], with --profile
+    variant: str = ""  # the --variant whose settings timed this row ("": the run's own)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Kernel settings for some of a run's rows, on top of the run's own (``arsparse bench --variant``):
+    the same model, compiled once, timed again with other launch settings in the same process."""
+
+    label: str = ""
+    streams: int | None = None
+    dense_prefetch: int | None = None
+    ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
+    matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
+
+
+def parse_variant(spec: str) -> Variant:
+    """``"streams=2,dense_prefetch=2,ring.prefetch_ahead=1056,matvec.prefetch=1"`` -> a checked Variant."""
+    from .kernels.triton import matvec, ring
+
+    kw, given = dict(ring={}, matvec={}), {"ring": [], "matvec": []}
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        key, sep, value = (t.strip() for t in item.partition("="))
+        kernel, dot, name = key.partition(".")
+        if not sep or not value:
+            raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
+        if dot and kernel in given:
+            given[kernel].append(f"{name}={value}")
+        elif key in ("streams", "dense_prefetch") and value.isdigit():
+            kw[key] = int(value)
+        else:
+            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, dense_prefetch=N (tiles), "
+                             f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
+                             f"({', '.join(sorted(matvec.LAUNCH))})")
+    if kw.get("streams", 1) not in (1, 2):
+        raise ValueError(f"variant streams must be 1 or 2, got {kw['streams']}")
+    if given["ring"]:
+        parsed = ring.parse_launch(",".join(given["ring"]))
+        kw["ring"] = {k.split("=")[0]: parsed[k.split("=")[0]] for k in given["ring"]}
+    if given["matvec"]:
+        pairs = [g.split("=") for g in given["matvec"]]
+        if not all(v.isdigit() for _, v in pairs):
+            raise ValueError(f"matvec variant settings take integers, got {given['matvec']}")
+        parsed = matvec.parse_launch(json.dumps({k: int(v) for k, v in pairs}))
+        kw["matvec"] = {k: parsed[k] for k, _ in pairs}
+    return Variant(label=spec.strip(), **kw)
+
+
+@contextmanager
+def _applied(variant: Variant):
+    """The kernels' module settings as ``variant`` says, restored afterwards."""
+    from .kernels.triton import decode, matvec, ring
+
+    saved = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH)
+    ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
+    if variant.dense_prefetch is not None:
+        decode.PREFETCH_TILES = variant.dense_prefetch
+    try:
+        yield
+    finally:
+        ring.LAUNCH, decode.PREFETCH_TILES, matvec.LAUNCH = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -88,7 +149,7 @@ def _matvec_launch() -> dict:
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False,
-          streams: int = 1) -> dict:
+          streams: int = 1, variants: tuple = ()) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
@@ -96,6 +157,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     ``name`` or ``name:key=value,key=value``. With ``out``, the JSON is rewritten after every row. With
     ``profile``, each row also gets the GPU time per decode step of its top kernels. ``matvec``: the
     blocks through the Triton matrix-vector kernels (steps of at most 16 rows; see ``Generator``).
+    ``variants``: :class:`Variant` s, each timed again for every policy, kernel and batch after the
+    run's own settings (rows labelled with the variant; ratios to dense within a variant).
     """
     from .engine.throughput import max_batch
     from .policies import get, parse_args
@@ -121,14 +184,14 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
         _add_ratios(rows)
         return dict(meta, rows=rows)
 
-    for spec in policies:
+    for variant, spec, kernel in ((v, p, k) for v in (Variant(), *variants) for p in policies for k in kernels):
         name, _, argtext = spec.partition(":")
         policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
         budget = policy.prepare(gpt).budget(gpt.layout, cfg.n_layer, cfg.n_head)
-        for kernel in kernels:
-            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy, matvec=matvec,
-                            streams=streams)
-            for want in tqdm(batches, desc=f"bench {spec} {kernel}", unit="batch"):
+        with _applied(variant):
+            gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy,
+                            matvec=matvec, streams=variant.streams or streams)
+            for want in tqdm(batches, desc=f"bench {spec} {kernel} {variant.label}".rstrip(), unit="batch"):
                 B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
                 for attempt in range(4):
                     try:
@@ -139,7 +202,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
                         if want != "max" or attempt == 3:
                             raise
                         B = int(B * 0.9)  # the estimate missed some workspace: back off
-                rows_out.append(BenchRow(policy=spec, kernel=kernel, max_batch=want == "max", **row))
+                rows_out.append(BenchRow(policy=spec, kernel=kernel, max_batch=want == "max", variant=variant.label,
+                                         **row))
                 if out:
                     Path(out).write_text(json.dumps(result(), indent=2))  # partial results survive a crash
             gen.release()
@@ -204,12 +268,13 @@ def _profile_step(run, c, N: int, steps: int = 3, top: int = 12) -> list:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """Speed-up over dense (same kernel) at the same batch, and max batch against dense's max batch."""
-    dense = [r for r in rows if r["policy"].split(":")[0] == "dense"]
+    """Speed-up over dense (same kernel and variant) at the same batch, and max batch against dense's max batch."""
     for r in rows:
-        same = [d for d in dense if d["kernel"] == r["kernel"] and d["batch"] == r["batch"]]
+        dense = [d for d in rows if d["policy"].split(":")[0] == "dense" and d["kernel"] == r["kernel"]
+                 and d.get("variant", "") == r.get("variant", "")]
+        same = [d for d in dense if d["batch"] == r["batch"]]
         r["x_dense_same_batch"] = r["images_per_s"] / same[0]["images_per_s"] if same else None
-        top = [d for d in dense if d["kernel"] == r["kernel"] and d["max_batch"]]
+        top = [d for d in dense if d["max_batch"]]
         r["x_dense_max_batch"] = r["images_per_s"] / top[0]["images_per_s"] if top and r["max_batch"] else None
 
 
@@ -222,7 +287,8 @@ def markdown_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         batch = f"{r['batch']} (max)" if r["max_batch"] else str(r["batch"])
-        lines.append(f"| {r['policy']} | {r['kernel']} | {batch} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
+        policy = f"{r['policy']} [{r['variant']}]" if r.get("variant") else r["policy"]
+        lines.append(f"| {policy} | {r['kernel']} | {batch} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
                      f"{r['ratio_to_floor']:.2f} | {r['images_per_s']:.1f} | {x(r['x_dense_same_batch'])} | "
                      f"{x(r['x_dense_max_batch'])} | {r['tokens_per_s']:.0f} | {r['peak_mem_gb']:.1f} | "
                      f"{r['kv_bytes_per_image'] / 1e6:.1f} | {r['kv_read_bytes_per_step'] / 1e9:.2f} |")
@@ -250,9 +316,10 @@ def cmd_bench(args) -> int:
         from .kernels.triton import matvec
 
         matvec.LAUNCH = matvec.parse_launch(args.matvec_launch)
+    variants = tuple(parse_variant(v) for v in args.variant)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
-                   out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams)
+                   out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
 
@@ -266,9 +333,10 @@ def cmd_bench(args) -> int:
     print(markdown_table(result))
     for r in result["rows"]:
         for name, ms in r["profile"] or []:
-            print(f"  {r['policy']} batch {r['batch']}: {ms:8.3f} ms/step  {name}")
+            print(f"  {r['policy']}{' [' + r['variant'] + ']' if r['variant'] else ''} batch {r['batch']}: "
+                  f"{ms:8.3f} ms/step  {name}")
     for ref in result.get("reference", []):
-        ours = {r["policy"]: r["images_per_s"] for r in result["rows"] if r["batch"] == ref["batch"]}
+        ours = {r["policy"]: r["images_per_s"] for r in result["rows"] if r["batch"] == ref["batch"] and not r["variant"]}
         vs = ", ".join(f"{p} {v / ref['images_per_s']:.1f}x" for p, v in ours.items())
         print(f"LlamaGen public sampler, batch {ref['batch']}: {ref['images_per_s']:.2f} images/s "
               f"({ref['ms_per_step']:.2f} ms/step); arsparse: {vs}")
@@ -306,6 +374,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--matvec-launch", metavar="JSON",
                    help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "
                         "(block_n, block_k, max_tile, num_warps, num_stages, prefetch), recorded in the JSON")
+    b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
+                   help="also time every policy and batch with these settings on top of the run's, in the same "
+                        "process (compiled once); repeatable. Keys: streams, dense_prefetch, ring.KEY (as "
+                        "--ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.prefetch_ahead=1056,streams=2'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

@@ -237,6 +237,36 @@ def test_bench_ratios_against_dense():
     _add_ratios(rows)
     assert rows[2]["x_dense_same_batch"] == 2.5 and rows[2]["x_dense_max_batch"] is None
     assert rows[3]["x_dense_max_batch"] == 5.0 and rows[3]["x_dense_same_batch"] is None
+    # a variant's rows are compared with dense in the same variant
+    rows += [dict(policy="dense", kernel="triton", batch=256, max_batch=False, images_per_s=20.0, variant="streams=2"),
+             dict(policy="diagonal:rows=2", kernel="triton", batch=256, max_batch=False, images_per_s=90.0,
+                  variant="streams=2")]
+    _add_ratios(rows)
+    assert rows[2]["x_dense_same_batch"] == 2.5 and rows[5]["x_dense_same_batch"] == 4.5
+
+
+def test_bench_variants_parse_apply_and_restore():
+    pytest.importorskip("triton")
+    from arsparse.bench import _applied, markdown_table, parse_variant
+    from arsparse.kernels.triton import decode, matvec, ring
+
+    v = parse_variant(" ring.prefetch_ahead=1056, ring.late_cast=1,streams=2,dense_prefetch=2,matvec.prefetch=1 ")
+    assert (v.streams, v.dense_prefetch, v.ring, v.matvec) == (2, 2, dict(prefetch_ahead=1056, late_cast=True),
+                                                               dict(prefetch=1))
+    before = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH)
+    with _applied(v):
+        assert ring.LAUNCH == dict(before[0], prefetch_ahead=1056, late_cast=True)
+        assert decode.PREFETCH_TILES == 2 and matvec.LAUNCH == dict(before[2], prefetch=1)
+    assert (dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH)) == before
+    for spec, msg in (("streams=3", "streams must be 1 or 2"), ("warps=2", "unknown variant setting 'warps=2'"),
+                      ("ring.num_warps=3", "num_warps=3 is invalid"), ("matvec.prefetch=x", "take integers"),
+                      ("streams", "KEY=VALUE pairs")):
+        with pytest.raises(ValueError, match=msg):
+            parse_variant(spec)
+    row = dict(policy="diagonal", kernel="triton", batch=256, max_batch=False, ms_per_step=4.0, floor_ms_per_step=1.4,
+               ratio_to_floor=2.9, images_per_s=110.0, x_dense_same_batch=2.5, x_dense_max_batch=None,
+               tokens_per_s=6e4, peak_mem_gb=9.6, kv_bytes_per_image=3e7, kv_read_bytes_per_step=4e9, variant=v.label)
+    assert f"| diagonal [{v.label}] | triton | 256 |" in markdown_table(dict(rows=[row]))
 
 
 @pytest.mark.parametrize("spec", ["diagonal", "diagonal:sinks=0,local=3", "streaming:recent=9,sinks=2"])
