@@ -229,7 +229,6 @@ class _Runner(_Stepping):
         self._emit(self.prefill_logits(cond), torch.zeros((), dtype=torch.long, device=cond.device))
 
 
-
 class Generator:
     """Sample image tokens (and images) from a GPT.
 
