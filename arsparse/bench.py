@@ -54,14 +54,14 @@ def parse_variant(spec: str) -> Variant:
     """``"streams=2,dense_prefetch=2,ring.prefetch_ahead=1056,matvec.prefetch=1"`` -> a checked Variant."""
     from .kernels.triton import matvec, ring
 
-    kw, given = dict(ring={}, matvec={}), {"ring": [], "matvec": []}
+    kw, given = {}, {"ring": {}, "matvec": {}}  # given: kernel -> {key: value text}
     for item in filter(None, (t.strip() for t in spec.split(","))):
         key, sep, value = (t.strip() for t in item.partition("="))
         kernel, dot, name = key.partition(".")
         if not sep or not value:
             raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
         if dot and kernel in given:
-            given[kernel].append(f"{name}={value}")
+            given[kernel][name] = value
         elif key in ("streams", "dense_prefetch") and value.isdigit():
             kw[key] = int(value)
         else:
@@ -70,15 +70,14 @@ def parse_variant(spec: str) -> Variant:
                              f"({', '.join(sorted(matvec.LAUNCH))})")
     if kw.get("streams", 1) not in (1, 2):
         raise ValueError(f"variant streams must be 1 or 2, got {kw['streams']}")
-    if given["ring"]:
-        parsed = ring.parse_launch(",".join(given["ring"]))
-        kw["ring"] = {k.split("=")[0]: parsed[k.split("=")[0]] for k in given["ring"]}
+    if given["ring"]:  # checked by the kernels' own parsers
+        parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
+        kw["ring"] = {k: parsed[k] for k in given["ring"]}
     if given["matvec"]:
-        pairs = [g.split("=") for g in given["matvec"]]
-        if not all(v.isdigit() for _, v in pairs):
+        if not all(v.isdigit() for v in given["matvec"].values()):
             raise ValueError(f"matvec variant settings take integers, got {given['matvec']}")
-        parsed = matvec.parse_launch(json.dumps({k: int(v) for k, v in pairs}))
-        kw["matvec"] = {k: parsed[k] for k, _ in pairs}
+        parsed = matvec.parse_launch(json.dumps({k: int(v) for k, v in given["matvec"].items()}))
+        kw["matvec"] = {k: parsed[k] for k in given["matvec"]}
     return Variant(label=spec.strip(), **kw)
 
 
