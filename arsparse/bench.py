@@ -46,6 +46,7 @@ class Variant:
     label: str = ""
     streams: int | None = None
     dense_prefetch: int | None = None
+    pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
 
@@ -62,14 +63,14 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
         if dot and kernel in given:
             given[kernel][name] = value
-        elif key in ("streams", "dense_prefetch") and value.isdigit():
+        elif key in ("streams", "dense_prefetch", "pdl") and value.isdigit():
             kw[key] = int(value)
         else:
-            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, dense_prefetch=N (tiles), "
+            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, dense_prefetch=N (tiles), pdl=0|1, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
                              f"({', '.join(sorted(matvec.LAUNCH))})")
-    if kw.get("streams", 1) not in (1, 2):
-        raise ValueError(f"variant streams must be 1 or 2, got {kw['streams']}")
+    if kw.get("streams", 1) not in (1, 2) or kw.get("pdl", 0) not in (0, 1):
+        raise ValueError(f"variant streams must be 1 or 2 and pdl 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
@@ -84,16 +85,18 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .kernels.triton import decode, matvec, ring
+    from .kernels.triton import _pdl, decode, matvec, ring
 
-    saved = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH)
+    saved = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH), _pdl.ENABLED
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
     if variant.dense_prefetch is not None:
         decode.PREFETCH_TILES = variant.dense_prefetch
+    if variant.pdl is not None:
+        _pdl.ENABLED = variant.pdl
     try:
         yield
     finally:
-        ring.LAUNCH, decode.PREFETCH_TILES, matvec.LAUNCH = saved
+        ring.LAUNCH, decode.PREFETCH_TILES, matvec.LAUNCH, _pdl.ENABLED = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -131,12 +134,12 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def _kernel_settings() -> dict:
-    """The ring kernel's launch settings and the dense kernel's prefetching in effect (None without Triton)."""
+    """The ring kernel's launch settings, the dense kernel's prefetching and PDL in effect (None without Triton)."""
     try:
-        from .kernels.triton import decode, ring
+        from .kernels.triton import _pdl, decode, ring
     except ImportError:
-        return dict(ring_launch=None, dense_prefetch_tiles=None)
-    return dict(ring_launch=dict(ring.LAUNCH), dense_prefetch_tiles=decode.PREFETCH_TILES)
+        return dict(ring_launch=None, dense_prefetch_tiles=None, pdl=None)
+    return dict(ring_launch=dict(ring.LAUNCH), dense_prefetch_tiles=decode.PREFETCH_TILES, pdl=_pdl.ENABLED)
 
 
 def _matvec_launch() -> dict:

@@ -340,6 +340,29 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol, monkeypatc
     assert (got - want).norm() / want.norm() < tol
 
 
+@pytest.mark.parametrize("policy", [None, "diagonal"])
+def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, monkeypatch):
+    """PDL (kernels/triton/_pdl.py): each decode kernel starts beside the last programs of the one
+    before and waits for it before reading what the step writes. Latency mode in bf16 (matvec, split +
+    combine or ring kernels back to back), the step in a CUDA graph: the same tokens and teacher-forced
+    logits, bit for bit, as plain launches (a read before its input was written would change them)."""
+    from arsparse.kernels.triton import _pdl
+
+    model = random_gpt("c2i", seed=16, image_tokens=256, n_kv_head=2)
+    cond = random_cond(model, 2)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 256))
+    make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy,  # noqa: E731
+                             matvec=True)
+    plain = make()
+    want, want_logits = plain.sample_tokens(cond, seed=5, cfg_scale=2.0), plain.cached_logits(cond, tokens)
+    monkeypatch.setattr(_pdl, "ENABLED", 1)
+    assert _pdl.pdl_args(torch.device("cuda"))["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    gen = make()
+    assert torch.equal(gen.sample_tokens(cond, seed=5, cfg_scale=2.0), want)
+    assert gen._runner.graph is not None
+    assert torch.equal(gen.cached_logits(cond, tokens), want_logits)
+
+
 @pytest.mark.parametrize("M", [1, 2, 16])
 def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M):
     """GPT-XL's projections (dim 1280, 20 heads of 64, SwiGLU 3584) against the torch composition."""

@@ -46,6 +46,17 @@ def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv
     _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
 
 
+def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
+    """Below one (row, kv head) pair per SM (8 off CUDA) the split kernel takes SMALL_BLOCK_N tiles,
+    and choose_splits caps the splits at the cache's tiles of that size."""
+    from arsparse.kernels.triton import decode
+
+    cpu = torch.device("cpu")
+    assert decode.block_n(1, 7, cpu) == decode.SMALL_BLOCK_N < decode.block_n(2, 4, cpu) == decode.BLOCK_N
+    assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // decode.SMALL_BLOCK_N)  # 32 wanted
+    assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // decode.BLOCK_N)  # 4 wanted
+
+
 def test_decode_attention_strided_inputs_and_cache_slice():
     """q, k, v as the model produces them (transposed views, k and v with different strides) and a
     cache that is one layer of a bigger buffer: only that layer's slot changes."""
@@ -235,18 +246,26 @@ def test_dense_prefetch_lanes_stay_inside_k_and_v(monkeypatch, tiles, splits):
     assert all(not z.any() for z in (*k_guards, *v_guards))
 
 
+#: What a build with programmatic dependent launch (``PDL``, kernels/triton/_pdl.py) must hold in its PTX.
+PDL_PTX = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+
+
 def test_dense_kernel_compiles_for_hopper():
-    """The split kernel's builds for sm_90 (see conftest.compile_for_hopper): the engine's, and with
-    prefetching (its PTX must hold the prefetch instructions)."""
+    """The split and combine kernels' builds for sm_90 (see conftest.compile_for_hopper): the engine's,
+    with programmatic dependent launch, and with prefetching (their PTX must hold those instructions)."""
     pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
     base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False, PF_MODE=0, PF_TILES=0,
                 PF_LINE=64, PF_NL=1)
     builds = {"engine": (base, 2),
+              "pdl": (dict(base, DIRECT=False, PDL=True), 2, PDL_PTX),
               "prefetching": (dict(base, PF_MODE=1, PF_TILES=2), 2, ["prefetch.global.L2"]),
               "gqa-span-d128-prefetching": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False,
                                                  HAS_SPAN=True, PF_MODE=1, PF_TILES=3, PF_NL=2), 4, ["prefetch.global.L2"])}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
+    combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}
+    compile_for_hopper("arsparse.kernels.triton._decode", "combine_kernel",
+                       dict(O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", OUT="*bf16"), combine)
 
 
 @pytest.mark.parametrize("ahead,rows,heads_first,per_row", [(3, 1, False, False), (5, 2, True, True), (40, 1, False, True)])
@@ -478,6 +497,8 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
                               HEADS_FIRST=False), 4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True,
                              HEADS_FIRST=False), 2),
+    "engine-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
+                        HEADS_FIRST=False, PDL=True), 1, PDL_PTX),
     "engine-prefetching": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
                                 HEADS_FIRST=False, PF_MODE=1), 1, ["prefetch.global.L2"]),
     "rows2-heads-first-d128-prefetching": (dict(G=2, ROWS=2, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=False,

@@ -180,6 +180,7 @@ def test_matvec_generator_rejects_compile_and_the_plain_cpu(monkeypatch):
 def test_matvec_kernel_compiles_for_hopper():
     """Each fused form the block halves launch, built for sm_90 (see conftest.compile_for_hopper)."""
     from conftest import compile_for_hopper
+    from test_kernels import PDL_PTX
 
     flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, BLOCK_M=2, BLOCK_N=4,
                  BLOCK_K=2048, ONE_CHUNK=True, PF_MODE=0, PF_RANGES=0, PF_LINE=64, PF_BLOCK=16)
@@ -188,6 +189,9 @@ def test_matvec_kernel_compiles_for_hopper():
               "wo": (dict(flags, HAS_RES=True), 4),
               "w2-16-rows": (dict(flags, BLOCK_M=16, BLOCK_K=64, ONE_CHUNK=False), 2),
               "w1-w3-chunks": (dict(flags, HAS_F=True, HAS_NORM=True, GLU=True, BLOCK_K=512, ONE_CHUNK=False), 4),
+              "wqkv-pdl": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PDL=True), 4, PDL_PTX),
+              "w2-16-rows-residual-pdl": (dict(flags, HAS_RES=True, BLOCK_M=16, BLOCK_K=64, ONE_CHUNK=False, PDL=True), 2,
+                                          PDL_PTX),
               "wqkv-prefetching": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PF_MODE=1, PF_RANGES=3, PF_BLOCK=256),
                                    4, ["prefetch.global.L2"])}
     pointers = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS", "P0", "P1", "P2")})

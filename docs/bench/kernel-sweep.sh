@@ -53,14 +53,16 @@ def sweep_dense(rows):
     kvs = rotating(lambda: (r(B, H, S, D), r(B, H, S, D)), 2 * B * H * S * D * 2)
     k, v = next(kvs)
     nbytes = B * H * (pos + 1) * D * 2 * 2
-    engine = (decode.BLOCK_N, dict(decode.SPLIT_LAUNCH), decode.PREFETCH_TILES)
+    engine = (decode.block_n(B, H, q.device), dict(decode.SPLIT_LAUNCH), decode.PREFETCH_TILES)
+    saved = decode.BLOCK_N, decode.SMALL_BLOCK_N
     # (num_stages: runs 3-7 found no difference; PREFETCH_TILES: each split prefetches that many tiles ahead)
     for bn, nw, ns, pf in itertools.product((32, 64, 128), (2, 4, 8), (3,), (0, 1, 2)):
-        decode.BLOCK_N, decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = bn, dict(num_warps=nw, num_stages=ns), pf
+        decode.BLOCK_N = decode.SMALL_BLOCK_N = bn  # (whatever the number of rows)
+        decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = dict(num_warps=nw, num_stages=ns), pf
         us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p))
         rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, PREFETCH_TILES=pf, us=us,
                          gb_s=nbytes / us / 1e3))
-    decode.BLOCK_N, decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = engine
+    (decode.BLOCK_N, decode.SMALL_BLOCK_N), decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = saved, engine[1], engine[2]
     p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
     us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p_rows))
     rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2

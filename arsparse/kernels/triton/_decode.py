@@ -2,6 +2,7 @@
 import triton
 import triton.language as tl
 
+from ._pdl import launch_next, wait_prior
 from ._prefetch import touch_rows
 
 
@@ -21,7 +22,7 @@ def decode_split_kernel(
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SPAN: tl.constexpr, PF_MODE: tl.constexpr = 0, PF_TILES: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
-    PF_NL: tl.constexpr = 1,
+    PF_NL: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -33,7 +34,10 @@ def decode_split_kernel(
     ``PF_MODE`` (``_prefetch.py``): the loop over tiles waits for each tile's loads before the next
     (Triton does not pipeline it here), so tile ``t`` prefetches tile ``t + PF_TILES`` into the L2
     (tiles 1..PF_TILES - 1 before the loop): every position in [start + BLOCK_N, end) once.
+    ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
     """
+    launch_next(PDL)
+    wait_prior(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -150,9 +154,11 @@ def combine_kernel(
     O_PART, M_PART, L_PART, OUT,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     splits, D,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Merge the splits of one (row, head) by their log-sum-exp weights."""
+    """Merge the splits of one (row, head) by their log-sum-exp weights (``PDL`` as the split kernel)."""
+    launch_next(PDL)
+    wait_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

@@ -17,6 +17,8 @@ BLOCK_N weight rows per program and folds the ops around the product into it:
 - ``PF_MODE`` (``_prefetch.py``): after its own work each program prefetches its share of up to three
   contiguous tensors P0..P2 (the next launches' weights) into the L2, which the memory can fetch while
   the launches in between run.
+- ``PDL`` (``_pdl.py``): launched early beside the previous launch's last programs, a program asks for
+  its weights (and RoPE table) and only then waits for the previous launch's output.
 
 Roundings follow the PyTorch composition (``arsparse.models.gpt``): the product in fp32, rounded to
 the input's dtype, then each op in fp32 and rounded again where PyTorch rounds.
@@ -24,6 +26,7 @@ the input's dtype, then each op in fp32 and rounded again where PyTorch rounds.
 import triton
 import triton.language as tl
 
+from ._pdl import launch_next, wait_prior
 from ._prefetch import touch_range
 
 
@@ -51,7 +54,7 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
                   HAS_F: tl.constexpr, HAS_NORM: tl.constexpr, GLU: tl.constexpr, HAS_RES: tl.constexpr,
                   HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PF_MODE: tl.constexpr = 0, PF_RANGES: tl.constexpr = 0,
-                  PF_LINE: tl.constexpr = 64, PF_BLOCK: tl.constexpr = 16):
+                  PF_LINE: tl.constexpr = 64, PF_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Columns [pid * BLOCK_N, + BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight tile is read
     once and multiplied into every row (a (BM, BN, BK) product summed over BK)."""
     pid = tl.program_id(0)
@@ -60,9 +63,8 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
-    # the epilogue's operands, asked for before the product waits on anything
-    if HAS_RES:
-        res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    launch_next(PDL)
+    # what no kernel of the step writes (PDL: before the wait, beside the previous launch's last programs)
     if HAS_ROPE:  # the cos/sin of each interleaved pair (2j, 2j + 1) of a head
         col = pid * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first column
         pair = (col % head_dim) // 2
@@ -76,6 +78,10 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
         w = tl.load(W + rn[:, None] * sw_n + rk[None, :], mask=wmask, other=0.0)  # (BN, BK)
         if GLU:
             w3 = tl.load(W3 + rn[:, None] * sw3_n + rk[None, :], mask=wmask, other=0.0)
+    wait_prior(PDL)
+    if HAS_RES:  # the epilogue's operand, asked for before the product waits on anything
+        res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+    if ONE_CHUNK:
         mask = mmask[:, None] & kmask[None, :]
         x = _input(X, F, rm, rk, mask, sx_m, sf_m, HAS_F)  # (BM, BK)
         if HAS_F:

@@ -21,6 +21,7 @@ sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this for
 import triton
 import triton.language as tl
 
+from ._pdl import launch_next, wait_prior
 from ._prefetch import touch_rows
 
 
@@ -33,7 +34,7 @@ def ring_decode_kernel(
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, pf_ahead=0, PF_MODE: tl.constexpr = 0,
-    PF_LINE: tl.constexpr = 64, PF_NL: tl.constexpr = 1,
+    PF_LINE: tl.constexpr = 64, PF_NL: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -52,7 +53,10 @@ def ring_decode_kernel(
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
     reads (they already hold the new token).
+    ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, a program loads its
+    head's offsets (which no kernel writes) and then waits for them.
     """
+    launch_next(PDL)
     h = tl.program_id(0 if HEADS_FIRST else 1)
     block = tl.program_id(1 if HEADS_FIRST else 0)  # the block of ROWS rows
     hk = h // G
@@ -60,6 +64,7 @@ def ring_decode_kernel(
     dmask = offs_d < D
     jo = tl.arange(0, BLOCK_O)
     o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1)  # (BO,) this head's backward offsets
+    wait_prior(PDL)
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
     if PF_MODE != 0:  # the program pf_ahead places later in launch order (x fastest), and its offsets

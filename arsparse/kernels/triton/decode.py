@@ -5,20 +5,32 @@ import torch
 import triton
 
 from ._decode import combine_kernel, decode_split_kernel
+from ._pdl import pdl_args
 from ._prefetch import row_args
 
+#: Keys per tile of a split when the (row, kv head) pairs fill the GPU; below one pair per SM (batch 1 in
+#: latency mode) tiles of SMALL_BLOCK_N and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us a call).
 BLOCK_N = 128
+SMALL_BLOCK_N = 64
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
 SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 #: Tiles ahead that each split prefetches into the L2 while it reads a tile (0: off; not yet timed).
 PREFETCH_TILES = 0
 
 
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def block_n(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Keys per tile of the split kernel for ``rows`` x ``kv_heads`` (row, head) pairs."""
+    return BLOCK_N if rows * kv_heads >= _sms(device) else min(BLOCK_N, SMALL_BLOCK_N)
+
+
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Enough (row, head, split) programs to fill the GPU about four times over, at least a block each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, -(-4 * sms // (rows * kv_heads)))
-    return max(1, min(want, -(-max_len // BLOCK_N), 64))
+    """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each."""
+    want = max(1, -(-4 * _sms(device) // (rows * kv_heads)))
+    return max(1, min(want, -(-max_len // block_n(rows, kv_heads, device)), 64))
 
 
 def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:
@@ -108,8 +120,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
             raise ValueError(f"prompt_len must be in 1..{S} (the cache length) with a prompt_span, got {prompt_len}")
     G = H // Hkv
     splits = num_splits or choose_splits(B, Hkv, S, q.device)
+    bn = block_n(B, Hkv, q.device)
     chunk = -(-S // splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = -(-chunk // bn) * bn
     splits = -(-S // chunk)
     direct = splits == 1
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
@@ -131,15 +144,15 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
+        G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
         PF_TILES=PREFETCH_TILES, **row_args(PREFETCH_TILES > 0, q.device, count_prefetch, q.element_size(), block_d),
-        **SPLIT_LAUNCH,
+        **pdl_args(q.device), **SPLIT_LAUNCH,
     )
     if not direct:
         combine_kernel[(B, H)](
             o_part, m_part, l_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
             out.stride(0), out.stride(1), splits, D,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, **pdl_args(q.device),
         )
     return out

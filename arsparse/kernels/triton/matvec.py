@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ._matvec import matvec_kernel
+from ._pdl import pdl_args
 from ._prefetch import line_elems, mode_for
 
 #: Rows one launch takes (each weight tile is multiplied into every row in registers).
@@ -22,8 +23,9 @@ MAX_ROWS = 16
 #: per block against 43.2 for the first guess (8 rows, chunks of 512) and 81.6 for cuBLAS + PyTorch.
 #: ``prefetch``: 1 lets a launch prefetch the tensors it is given into the L2 (``_prefetch.py``);
 #: ``weights_first``: 1 makes a launch whose rows fit one chunk ask for its weight tile before it
-#: reads (and normalises) the input, and read the input once (more registers). Neither timed yet: off.
-LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, prefetch=0, weights_first=0)
+#: reads (and normalises) the input, and read the input once (more registers). Run 9 at batch 1: prefetch
+#: slower (dense step 1.495 against 1.473 ms), weights_first faster (1.457; diagonal 1.336 against 1.355): on.
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, prefetch=0, weights_first=1)
 #: Tensors one launch can prefetch.
 MAX_PREFETCH = 3
 
@@ -139,5 +141,5 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim, *(t.numel() for t in pf),
         HAS_F=add is not None, HAS_NORM=norm is not None, GLU=w_up is not None, HAS_RES=residual is not None,
         HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K, PF_MODE=pf_mode,
-        PF_RANGES=len(prefetch) if pf_mode else 0, PF_LINE=line, PF_BLOCK=pf_block, **cfg)
+        PF_RANGES=len(prefetch) if pf_mode else 0, PF_LINE=line, PF_BLOCK=pf_block, **pdl_args(x.device), **cfg)
     return (y, xs) if add is not None else y

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ._pdl import pdl_args
 from ._prefetch import row_args
 from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position_stride
@@ -154,5 +155,5 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
         HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first, **blocks, **pf,
-        **cfg)
+        **pdl_args(q.device), **cfg)
     return out
