@@ -45,14 +45,13 @@ class Variant:
 
     label: str = ""
     streams: int | None = None
-    dense_prefetch: int | None = None
     pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
 
 
 def parse_variant(spec: str) -> Variant:
-    """``"streams=2,dense_prefetch=2,ring.prefetch_ahead=1056,matvec.prefetch=1"`` -> a checked Variant."""
+    """``"streams=2,pdl=1,ring.rows_per_program=2,matvec.weights_first=0"`` -> a checked Variant."""
     from .kernels.triton import matvec, ring
 
     kw, given = {}, {"ring": {}, "matvec": {}}  # given: kernel -> {key: value text}
@@ -63,10 +62,10 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
         if dot and kernel in given:
             given[kernel][name] = value
-        elif key in ("streams", "dense_prefetch", "pdl") and value.isdigit():
+        elif key in ("streams", "pdl") and value.isdigit():
             kw[key] = int(value)
         else:
-            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, dense_prefetch=N (tiles), pdl=0|1, "
+            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, pdl=0|1, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
                              f"({', '.join(sorted(matvec.LAUNCH))})")
     if kw.get("streams", 1) not in (1, 2) or kw.get("pdl", 0) not in (0, 1):
@@ -85,18 +84,16 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .kernels.triton import _pdl, decode, matvec, ring
+    from .kernels.triton import _pdl, matvec, ring
 
-    saved = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH), _pdl.ENABLED
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
-    if variant.dense_prefetch is not None:
-        decode.PREFETCH_TILES = variant.dense_prefetch
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
     try:
         yield
     finally:
-        ring.LAUNCH, decode.PREFETCH_TILES, matvec.LAUNCH, _pdl.ENABLED = saved
+        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -134,12 +131,12 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def _kernel_settings() -> dict:
-    """The ring kernel's launch settings, the dense kernel's prefetching and PDL in effect (None without Triton)."""
+    """The ring kernel's launch settings and PDL in effect (None without Triton)."""
     try:
-        from .kernels.triton import _pdl, decode, ring
+        from .kernels.triton import _pdl, ring
     except ImportError:
-        return dict(ring_launch=None, dense_prefetch_tiles=None, pdl=None)
-    return dict(ring_launch=dict(ring.LAUNCH), dense_prefetch_tiles=decode.PREFETCH_TILES, pdl=_pdl.ENABLED)
+        return dict(ring_launch=None, pdl=None)
+    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED)
 
 
 def _matvec_launch() -> dict:
@@ -308,12 +305,6 @@ def cmd_bench(args) -> int:
         from .kernels.triton import ring
 
         ring.LAUNCH = ring.parse_launch(args.ring_launch)
-    if args.dense_prefetch is not None:  # the dense split kernel's prefetching, likewise
-        from .kernels.triton import decode
-
-        if args.dense_prefetch < 0:
-            raise ValueError(f"--dense-prefetch takes tiles ahead >= 0, got {args.dense_prefetch}")
-        decode.PREFETCH_TILES = args.dense_prefetch
     if args.matvec_launch:  # the matvec kernel's, likewise (docs/bench/matvec-sweep.sh writes one)
         from .kernels.triton import matvec
 
@@ -368,18 +359,15 @@ def add_bench_parser(sub) -> None:
                         "beside the other's matrix products)")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
-                        "heads_first, num_warps, num_stages, prefetch_ahead; see docs/bench/kernel-sweep.sh), "
-                        "recorded in the JSON")
-    b.add_argument("--dense-prefetch", type=int, metavar="TILES",
-                   help="tiles ahead that the dense split kernel prefetches into the L2 (0: off, the default), "
+                        "heads_first, num_warps, num_stages; see docs/bench/kernel-sweep.sh), "
                         "recorded in the JSON")
     b.add_argument("--matvec-launch", metavar="JSON",
                    help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "
-                        "(block_n, block_k, max_tile, num_warps, num_stages, prefetch), recorded in the JSON")
+                        "(block_n, block_k, max_tile, num_warps, num_stages, weights_first), recorded in the JSON")
     b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also time every policy and batch with these settings on top of the run's, in the same "
-                        "process (compiled once); repeatable. Keys: streams, dense_prefetch, ring.KEY (as "
-                        "--ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.prefetch_ahead=1056,streams=2'")
+                        "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
+                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.rows_per_program=2,pdl=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

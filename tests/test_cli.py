@@ -35,10 +35,8 @@ def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys, monkeypatch
         assert "needs a CUDA device, and none is available here" in capsys.readouterr().err
     assert main(["bench", "--ring-launch", "num_warps=3"]) == 2
     assert "num_warps=3 is invalid" in capsys.readouterr().err
-    assert main(["bench", "--variant", "ring.prefetch_ahead=64", "--variant", "warps=2"]) == 2
+    assert main(["bench", "--variant", "ring.rows_per_program=2", "--variant", "warps=2"]) == 2
     assert "unknown variant setting 'warps=2'" in capsys.readouterr().err
-    assert main(["bench", "--dense-prefetch", "-1"]) == 2
-    assert "--dense-prefetch takes tiles ahead >= 0, got -1" in capsys.readouterr().err
     assert main(["generate", "--model", "random-small", "--matvec", "--compile", "--out", str(tmp_path)]) == 2
     assert "matvec=True takes neither compile" in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the CPU takes the matvec kernels in the interpreter)

@@ -104,12 +104,12 @@ def _same(got: list, want: list) -> None:
     (4, 32, 8, 1120, 100, "rows", None),  # GQA, head_dim 100, t2i-like length, several splits
     (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
 ])
-@pytest.mark.parametrize("prefetch_tiles", [0, 2])
-def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, prefetch_tiles, monkeypatch):
-    from arsparse.kernels.triton import decode, decode_attention
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, monkeypatch):
+    from arsparse.kernels.triton import _pdl, decode_attention
     from conftest import random_decode_case
 
-    monkeypatch.setattr(decode, "PREFETCH_TILES", prefetch_tiles)  # (prefetch.global.L2 for real)
+    monkeypatch.setattr(_pdl, "ENABLED", pdl)  # (split + combine launched with PDL: the same results)
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
     got = decode_attention(*inputs, num_splits=splits)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
@@ -121,8 +121,6 @@ RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, bloc
     "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),
     "rows8": dict(rows_per_program=8, num_warps=4, num_stages=3),
     "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
-    "prefetch-ahead": dict(prefetch_ahead=37),  # (prefetch.global.L2 for real: results unchanged)
-    "rows3-heads-first-prefetch": dict(rows_per_program=3, heads_first=True, late_cast=True, prefetch_ahead=5),
 }
 
 
@@ -322,7 +320,7 @@ def test_two_streams_in_one_graph_give_the_same_images_on_gpu(policy, compile):
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])
-def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol, monkeypatch):
+def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
     """Teacher forcing through the decode path with the matvec halves (2 rows: the steps and the
     one-position prefill take the kernels) against the full forward pass."""
     model = random_gpt("c2i", seed=6, image_tokens=256, n_kv_head=2)
@@ -330,10 +328,6 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol, monkeypatc
     tokens = torch.randint(0, model.config.vocab_size, (2, 256))
     gen = Generator(model, device="cuda", dtype=dtype, kernel="triton", matvec=True)
     got = gen.cached_logits(cond, tokens)
-    from arsparse.kernels.triton import matvec as mv
-
-    monkeypatch.setitem(mv.LAUNCH, "prefetch", 1)  # each launch prefetches the next weights: the same
-    assert torch.equal(gen.cached_logits(cond, tokens), got)  # logits, bit for bit
     with torch.no_grad():
         gen.gpt.unfuse()
         want = gen.gpt.logits(cond.cuda(), tokens.cuda()).float()
@@ -364,7 +358,7 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, monkeypat
 
 
 @pytest.mark.parametrize("M", [1, 2, 16])
-def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M):
+def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M, monkeypatch):
     """GPT-XL's projections (dim 1280, 20 heads of 64, SwiGLU 3584) against the torch composition."""
     import torch.nn.functional as F
 
@@ -383,7 +377,9 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M):
     torch.testing.assert_close(matvec(x, w1, norm=(nw, 1e-5), w_up=w3), F.silu(F.linear(h, w1)) * F.linear(h, w3), **tol)
     gate = r(M, 3584)
     torch.testing.assert_close(matvec(gate, w2, residual=x), x + F.linear(gate, w2), **tol)
-    # prefetching the next weights into the L2 (real PTX here) changes no bit, with or without it
-    on = dict(prefetch=1)
-    assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5), prefetch=(w1, w3, w2), launch=on), matvec(x, wqkv, norm=(nw, 1e-5)))
-    assert torch.equal(matvec(gate, w2, prefetch=(wqkv[:7].reshape(-1)[1:],), launch=on), matvec(gate, w2))
+    # launched with PDL (the weights asked for before the wait): no bit changes
+    from arsparse.kernels.triton import _pdl
+
+    plain = matvec(x, wqkv, norm=(nw, 1e-5)), matvec(gate, w2, residual=x)
+    monkeypatch.setattr(_pdl, "ENABLED", 1)
+    assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5)), plain[0]) and torch.equal(matvec(gate, w2, residual=x), plain[1])

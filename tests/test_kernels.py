@@ -8,7 +8,6 @@ kernel must not read (past the position, not in the read set, or about to be ove
 """
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -179,132 +178,23 @@ def test_ring_kernel_row_blocks_match_reference(poisoned_empty, launch, B, H, Hk
     _same([t.cpu() for t in fresh[3:9]], bufs)
 
 
-@pytest.mark.parametrize("tiles,splits,pos", [(2, 3, [37, 20]), (3, 1, [25, 39]), (1, 2, [5, 33])])
-def test_dense_prefetch_names_each_split_s_tiles_after_its_first(monkeypatch, tiles, splits, pos):
-    """Counting instead of prefetching (fp32, D 64: two 128-byte lines per position): each split names
-    every position it reads from memory past its first tile, once, in K and V, and nothing else."""
-    from arsparse.kernels.triton import decode
-
-    monkeypatch.setattr(decode, "BLOCK_N", 8)
-    monkeypatch.setattr(decode, "PREFETCH_TILES", tiles)
-    B, H, Hkv, S, D = 2, 4, 2, 40, 64
-    g = torch.Generator().manual_seed(tiles)
-    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-    kc, vc = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
-    decode_attention(q, k_new, v_new, kc, vc, torch.tensor(pos), num_splits=splits, count_prefetch=True)
-    chunk = -(-(-(-S // splits)) // 8) * 8
-    want = torch.zeros(B, Hkv, S, D)
-    for b, p in enumerate(pos):
-        for start in range(0, S, chunk):
-            want[b, :, start + 8: min(start + chunk, p, S), 0] += 1
-            want[b, :, start + 8: min(start + chunk, p, S), 32] += 1
-        kc[b, :, p] = vc[b, :, p] = 0  # the new token's slot
-    assert want.sum() > 0
-    assert torch.equal(kc, want) and torch.equal(vc, want)
-
-
-def _guarded(shape, guard=4096, pad=0):
-    """A zero fp32 tensor of ``shape`` (its last dim padded by ``pad`` in memory) inside a buffer with
-    ``guard`` zeros on each side: -> (tensor, the two guard zones)."""
-    *lead, d = shape
-    n = int(np.prod(lead)) * (d + pad)
-    buf = torch.zeros(2 * guard + n)
-    t = buf[guard: guard + n].view(*lead, d + pad)[..., :d]
-    return t, (buf[:guard], buf[guard + n:])
-
-
-@pytest.mark.parametrize("heads_first,rows,D", [(False, 1, 64), (True, 2, 48), (False, 3, 100)])
-def test_ring_prefetch_lanes_stay_inside_the_caches(heads_first, rows, D):
-    """Every lane's prefetch address, masked lanes too (as the GPU sends them), lies inside its cache."""
-    B, H, Hkv, P, S, W = 5, 4, 2, 3, 2, 8
-    g = torch.Generator().manual_seed(rows + D)
-    offsets = random_offsets(g, H, 6, W)
-    pos = torch.tensor([P, P + 1, P + 9, P + 20, P + 4])  # from the first image token on
-    made = [_guarded((B, Hkv, n, D)) for n in (P, P, S + 1, S + 1, W, W)]
-    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-    for ahead in (1, 3, 7, 50):
-        ring_decode_attention(q, k_new, v_new, *(t for t, _ in made), offsets, pos, S, count_prefetch="lanes",
-                              launch=dict(prefetch_ahead=ahead, rows_per_program=rows, heads_first=heads_first))
-    assert sum(int((t != 0).sum()) for t, _ in made) > 0
-    for _, guards in made:
-        assert all(not z.any() for z in guards)
-
-
-@pytest.mark.parametrize("tiles,splits", [(1, 3), (3, 1), (5, 2)])
-def test_dense_prefetch_lanes_stay_inside_k_and_v(monkeypatch, tiles, splits):
-    """Every lane's prefetch address lies inside K or V, K here with padded rows (strides unlike V's)."""
-    from arsparse.kernels.triton import decode
-
-    monkeypatch.setattr(decode, "BLOCK_N", 8)
-    monkeypatch.setattr(decode, "PREFETCH_TILES", tiles)
-    B, H, Hkv, S, D = 2, 4, 2, 40, 48
-    g = torch.Generator().manual_seed(tiles)
-    (kc, k_guards), (vc, v_guards) = _guarded((B, Hkv, S, D), pad=16), _guarded((B, Hkv, S, D))
-    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-    decode_attention(q, k_new, v_new, kc, vc, torch.tensor([17, 39]), num_splits=splits, count_prefetch="lanes")
-    assert (vc != 0).sum() > 0
-    assert all(not z.any() for z in (*k_guards, *v_guards))
-
-
 #: What a build with programmatic dependent launch (``PDL``, kernels/triton/_pdl.py) must hold in its PTX.
 PDL_PTX = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
 
 
 def test_dense_kernel_compiles_for_hopper():
     """The split and combine kernels' builds for sm_90 (see conftest.compile_for_hopper): the engine's,
-    with programmatic dependent launch, and with prefetching (their PTX must hold those instructions)."""
+    and with programmatic dependent launch (their PTX must hold its instructions)."""
     pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
-    base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False, PF_MODE=0, PF_TILES=0,
-                PF_LINE=64, PF_NL=1)
+    base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
     builds = {"engine": (base, 2),
-              "pdl": (dict(base, DIRECT=False, PDL=True), 2, PDL_PTX),
-              "prefetching": (dict(base, PF_MODE=1, PF_TILES=2), 2, ["prefetch.global.L2"]),
-              "gqa-span-d128-prefetching": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False,
-                                                 HAS_SPAN=True, PF_MODE=1, PF_TILES=3, PF_NL=2), 4, ["prefetch.global.L2"])}
+              "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2, PDL_PTX),
+              "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4)}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}
     compile_for_hopper("arsparse.kernels.triton._decode", "combine_kernel",
                        dict(O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", OUT="*bf16"), combine)
-
-
-@pytest.mark.parametrize("ahead,rows,heads_first,per_row", [(3, 1, False, False), (5, 2, True, True), (40, 1, False, True)])
-def test_ring_prefetch_names_the_lines_of_the_program_ahead(ahead, rows, heads_first, per_row):
-    """Counting instead of prefetching (fp32, D 64: two 128-byte lines per cached row): each program
-    names exactly the lines the program ``ahead`` places later in launch order reads (its ring slots,
-    prompt and written sinks, at its own row's position), once each; programs with none ahead name nothing."""
-    B, H, Hkv, P, S, W, D = 3, 4, 2, 2, 2, 8, 64
-    G, nb = H // Hkv, -(-B // rows)
-    g = torch.Generator().manual_seed(ahead)
-    offsets = random_offsets(g, H, 5, W)
-    pos = torch.tensor([P + 9, P + 12, P + 1]) if per_row else torch.tensor(P + 11)
-    row_pos = pos.expand(B).tolist()
-    bufs = [torch.zeros(B, Hkv, n, D) for n in (P, P, S + 1, S + 1, W, W)]
-    q, k_new, v_new = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
-    launch = dict(prefetch_ahead=ahead, rows_per_program=rows, heads_first=heads_first)
-    ring_decode_attention(q, k_new, v_new, *bufs, offsets, pos, S, launch=launch, count_prefetch=True)
-    want = [torch.zeros_like(t) for t in bufs]
-    for lin in range(nb * H):
-        t = lin + ahead
-        if t >= nb * H:
-            continue
-        h_t, block_t = (t % H, t // H) if heads_first else (t // nb, t % nb)
-        for row in range(block_t * rows, min(block_t * rows + rows, B)):
-            p, hk = row_pos[row], h_t // G
-            lines = [(0, pp) for pp in range(P)] + [(2, j) for j in range(S) if j <= p - P]
-            lines += [(4, (p - o - P) % W) for o in offsets[h_t].tolist() if o >= 0 and p - o >= P + S]
-            for k, at in lines:
-                for buf in (want[k], want[k + 1]):
-                    buf[row, hk, at, [0, 32]] += 1
-    for b, p in enumerate(row_pos):  # the slots the step writes hold the new token: not compared
-        i = p - P
-        for t in (*bufs[4:], *want[4:]):
-            t[b, :, i % W] = 0
-        for t in (*bufs[2:4], *want[2:4]) if i < S else ():
-            t[b, :, i] = 0
-    assert (sum(int(t.sum()) for t in want) > 0) == (ahead < nb * H)
-    for got, exp in zip(bufs, want):
-        assert torch.equal(got, exp)
 
 
 def test_ring_launch_settings_parse_and_reject_bad_ones():
@@ -315,8 +205,7 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
                       ("num_warps", "KEY=VALUE"), ("late_cast=yes", "late_cast takes 1, 0, true or false"),
-                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1"),
-                      ("prefetch_ahead=-1", "an int >= 0")):
+                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
 
@@ -499,11 +388,6 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
                              HEADS_FIRST=False), 2),
     "engine-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
                         HEADS_FIRST=False, PDL=True), 1, PDL_PTX),
-    "engine-prefetching": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                                HEADS_FIRST=False, PF_MODE=1), 1, ["prefetch.global.L2"]),
-    "rows2-heads-first-d128-prefetching": (dict(G=2, ROWS=2, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=False,
-                                                LATE_CAST=True, HEADS_FIRST=True, PF_MODE=1, PF_NL=2), 2,
-                                           ["prefetch.global.L2"]),
 }
 
 
@@ -514,6 +398,6 @@ def test_ring_kernel_compiles_for_hopper():
     build the engine and the launch sweep use."""
     pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
-    builds = {name: (dict(dict(PF_MODE=0, PF_LINE=64, PF_NL=1), **const, BLOCK_O=64, BLOCK_S=4), *rest)
+    builds = {name: (dict(const, BLOCK_O=64, BLOCK_S=4), *rest)
               for name, (const, *rest) in RING_BUILDS.items()}
     compile_for_hopper("arsparse.kernels.triton._ring", "ring_decode_kernel", pointers, builds)

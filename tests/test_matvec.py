@@ -68,39 +68,13 @@ def test_matvec_rope_rotates_q_and_k_columns_only(poisoned_empty, rows_table, dt
     torch.testing.assert_close(got[:, (H + Hkv) * D:], plain[:, (H + Hkv) * D:], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("block_n,sizes", [(8, (1000, 33)), (2, (4096, 70, 1))])
-def test_matvec_prefetch_names_every_line_once(poisoned_empty, block_n, sizes):
-    """Counting instead of prefetching: the programs together name each 128-byte line of every tensor
-    given (a line start every 32 fp32 elements, and the last element's line) exactly once, and the
-    product is unchanged."""
-    g = torch.Generator().manual_seed(block_n)
-    x, w = torch.randn(2, 96, generator=g).to(DEVICE), torch.randn(80, 96, generator=g).to(DEVICE)
-    targets = [torch.zeros(n, device=DEVICE) for n in sizes]
-    matvec(x, w, prefetch=tuple(targets), count_prefetch=True, launch=dict(block_n=block_n))  # prefetch off
-    assert all(not t.any() for t in targets)
-    y = matvec(x, w, prefetch=tuple(targets), count_prefetch=True, launch=dict(block_n=block_n, prefetch=1))
-    torch.testing.assert_close(y, F.linear(x, w), atol=1e-4, rtol=1e-4)
-    for t in targets:
-        want = torch.zeros(len(t))
-        want[torch.arange(0, len(t), 32)] += 1
-        want[-1] += 1
-        assert torch.equal(t.cpu(), want)
-    with pytest.raises(ValueError, match="prefetch takes at most 3 contiguous tensors"):
-        matvec(x, w, prefetch=(w.half(),), launch=dict(prefetch=1))
-    # every lane's address, masked lanes too, inside its tensor (one starting off a line), none for an empty one
-    buf = torch.zeros(3 * 4096, device=DEVICE)
-    inner, empty = buf[4096 + 1: 4096 + 1 + 1500], buf[4096:4096]
-    matvec(x, w, prefetch=(inner, empty), count_prefetch="lanes", launch=dict(block_n=block_n, prefetch=1))
-    assert inner.any() and not buf[:4097].any() and not buf[4097 + 1500:].any()
-
-
 def test_matvec_launch_settings_parse_and_reject_bad_ones():
     from arsparse.kernels.triton import matvec as mv
 
     assert mv.parse_launch('{"block_n": 16, "num_warps": 8}') == dict(mv.LAUNCH, block_n=16, num_warps=8)
-    assert mv.parse_launch('{"prefetch": 1}')["prefetch"] == 1
+    assert mv.parse_launch('{"weights_first": 0}')["weights_first"] == 0
     for text, msg in (("block_n=16", "must be a JSON object"), ('{"rows": 2}', "keys from"),
-                      ('{"prefetch": 2}', "prefetch=2 must be 0 or 1"),
+                      ('{"weights_first": 2}', "weights_first=2 must be 0 or 1"),
                       ('{"block_k": 300}', "power of 2"), ('{"block_n": 1}', ">= 2"), ('{"num_stages": 0}', "positive")):
         with pytest.raises(ValueError, match=msg):
             mv.parse_launch(text)
@@ -129,9 +103,7 @@ def test_matvec_rejects_bad_input():
 def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, policy):
     """The whole decode loop (guidance: 2 rows per image, 3 images) through the matvec halves gives
     the PyTorch halves' tokens, with every decode step's four projections and its head in the kernel
-    (a caption prefill of several positions takes the PyTorch halves, then the kernel's head). Each
-    launch names for prefetching only weights that one of the next two launches reads, and every
-    weight but the head's is named by one of the two launches before the one that reads it."""
+    (a caption prefill of several positions takes the PyTorch halves, then the kernel's head)."""
     from arsparse import Generator
     from arsparse.models import matvec_blocks
     from conftest import random_cond, random_gpt
@@ -145,8 +117,7 @@ def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, polic
     real = matvec_blocks.matvec
 
     def counting(*a, **k):
-        reads = {a[1].data_ptr()} | ({k["w_up"].data_ptr()} if k.get("w_up") is not None else set())
-        calls.append((a[0].shape[0], reads, [t.data_ptr() for t in k.get("prefetch", ())]))
+        calls.append(a[0].shape[0])  # rows
         return real(*a, **k)
 
     matvec_blocks.matvec = counting
@@ -156,14 +127,8 @@ def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, polic
         matvec_blocks.matvec = real
     cfg = model.config  # 4 per block at every decode step and a prefill of one position (a class token),
     steps = cfg.image_tokens - 1 + (cfg.cls_token_num == 1)  # and the final norm + head after every pass
-    assert [rows for rows, _, _ in calls] == [6] * (steps * cfg.n_layer * 4 + cfg.image_tokens)
+    assert calls == [6] * (steps * cfg.n_layer * 4 + cfg.image_tokens)
     assert torch.equal(got, want)
-    head = model.output.weight.data_ptr()
-    for j, (_, reads, named) in enumerate(calls[:-1]):  # (the last head names the next call's first weights)
-        assert set(named) <= set().union(*(r for _, r, _ in calls[j + 1: j + 3])), f"launch {j} names {named}"
-        if j >= 2:
-            assert reads - {head} <= set(calls[j - 1][2]) | set(calls[j - 2][2]), f"launch {j}"
-    assert sum(len(named) for _, _, named in calls) > 4 * len(calls) // 5  # most launches name some
 
 
 def test_matvec_generator_rejects_compile_and_the_plain_cpu(monkeypatch):
@@ -183,7 +148,7 @@ def test_matvec_kernel_compiles_for_hopper():
     from test_kernels import PDL_PTX
 
     flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, BLOCK_M=2, BLOCK_N=4,
-                 BLOCK_K=2048, ONE_CHUNK=True, PF_MODE=0, PF_RANGES=0, PF_LINE=64, PF_BLOCK=16)
+                 BLOCK_K=2048, ONE_CHUNK=True)
     builds = {"wqkv": (dict(flags, HAS_F=True, HAS_NORM=True, HAS_ROPE=True), 4),
               "w1-w3": (dict(flags, HAS_NORM=True, GLU=True), 4),
               "wo": (dict(flags, HAS_RES=True), 4),
@@ -191,8 +156,6 @@ def test_matvec_kernel_compiles_for_hopper():
               "w1-w3-chunks": (dict(flags, HAS_F=True, HAS_NORM=True, GLU=True, BLOCK_K=512, ONE_CHUNK=False), 4),
               "wqkv-pdl": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PDL=True), 4, PDL_PTX),
               "w2-16-rows-residual-pdl": (dict(flags, HAS_RES=True, BLOCK_M=16, BLOCK_K=64, ONE_CHUNK=False, PDL=True), 2,
-                                          PDL_PTX),
-              "wqkv-prefetching": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PF_MODE=1, PF_RANGES=3, PF_BLOCK=256),
-                                   4, ["prefetch.global.L2"])}
-    pointers = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS", "P0", "P1", "P2")})
+                                          PDL_PTX)}
+    pointers = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
     compile_for_hopper("arsparse.kernels.triton._matvec", "matvec_kernel", pointers, builds)

@@ -248,20 +248,20 @@ def test_bench_ratios_against_dense():
 def test_bench_variants_parse_apply_and_restore():
     pytest.importorskip("triton")
     from arsparse.bench import _applied, markdown_table, parse_variant
-    from arsparse.kernels.triton import _pdl, decode, matvec, ring
+    from arsparse.kernels.triton import _pdl, matvec, ring
 
-    v = parse_variant(" ring.prefetch_ahead=1056, ring.late_cast=1,streams=2,dense_prefetch=2,matvec.prefetch=1,pdl=1 ")
-    assert (v.streams, v.dense_prefetch, v.pdl, v.ring, v.matvec) == (
-        2, 2, 1, dict(prefetch_ahead=1056, late_cast=True), dict(prefetch=1))
-    before = dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH), _pdl.ENABLED
+    v = parse_variant(" ring.rows_per_program=2, ring.late_cast=1,streams=2,matvec.weights_first=0,pdl=1 ")
+    assert (v.streams, v.pdl, v.ring, v.matvec) == (2, 1, dict(rows_per_program=2, late_cast=True),
+                                                    dict(weights_first=0))
+    before = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED
     with _applied(v):
-        assert ring.LAUNCH == dict(before[0], prefetch_ahead=1056, late_cast=True)
-        assert decode.PREFETCH_TILES == 2 and matvec.LAUNCH == dict(before[2], prefetch=1) and _pdl.ENABLED == 1
+        assert ring.LAUNCH == dict(before[0], rows_per_program=2, late_cast=True)
+        assert matvec.LAUNCH == dict(before[1], weights_first=0) and _pdl.ENABLED == 1
         assert _pdl.pdl_args(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)  # (only on CUDA)
-    assert (dict(ring.LAUNCH), decode.PREFETCH_TILES, dict(matvec.LAUNCH), _pdl.ENABLED) == before
+    assert (dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED) == before
     for spec, msg in (("streams=3", "streams must be 1 or 2"), ("pdl=2", "pdl 0 or 1"),
                       ("warps=2", "unknown variant setting 'warps=2'"),
-                      ("ring.num_warps=3", "num_warps=3 is invalid"), ("matvec.prefetch=x", "take integers"),
+                      ("ring.num_warps=3", "num_warps=3 is invalid"), ("matvec.weights_first=x", "take integers"),
                       ("streams", "KEY=VALUE pairs")):
         with pytest.raises(ValueError, match=msg):
             parse_variant(spec)

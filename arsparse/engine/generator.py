@@ -299,7 +299,7 @@ class Generator:
         elif matvec:
             from ..models.matvec_blocks import halves
 
-            self.gpt.fuse(None, halves=halves(self.gpt))
+            self.gpt.fuse(None, halves=halves())
         else:
             self.gpt.unfuse()
         from ..policies import resolve

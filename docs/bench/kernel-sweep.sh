@@ -11,15 +11,15 @@
 # kernels' times before fusing (BENCHMARKS.md run 3: dense 237 us, ring 55.5 us). The ring rows
 # time the ring kernel (2-D tiles of one head, rows_per_program rows per program in a loop) by
 # rows_per_program, heads_first (a grid of (heads, row blocks): the programs launched together share
-# a row), late_cast (K/V tiles in bf16 until the products), num_warps and prefetch_ahead (each program
-# prefetches into the L2 what the program that many places later reads): every setting is built first, then timed in three
+# a row), late_cast (K/V tiles in bf16 until the products) and num_warps: every setting is built first, then timed in three
 # interleaved rounds (median of each, and the spread between rounds: timed 100 times right after its
 # compile, as before run 7, one setting took 74 us in one call and 124 us in the next); "ring-best": the
-# fastest of each rows_per_program x heads_first x late_cast x prefetch_ahead; "ring-rows" gives each row its own position
+# fastest of each rows_per_program x heads_first x late_cast; "ring-rows" gives each row its own position
 # (continuous batching): the engine's setting and the fastest one. (Runs 6 and 7 also timed forms
 # since removed: 3-D tiles of a block of heads per program, one program per (rows, kv head)
 # reading the ring in chunks, the next row's loads issued first by hand, and the offsets in two
-# register tiles; all were slower.)
+# register tiles; all were slower; as was, in run 9, each program prefetching into the L2 the reads of
+# the program 264-2112 launch places later, and the dense kernel's tiles prefetching those 1-2 ahead.)
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PARTS=${1:-dense,ring,slots}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 - <<'PY'
@@ -53,16 +53,15 @@ def sweep_dense(rows):
     kvs = rotating(lambda: (r(B, H, S, D), r(B, H, S, D)), 2 * B * H * S * D * 2)
     k, v = next(kvs)
     nbytes = B * H * (pos + 1) * D * 2 * 2
-    engine = (decode.block_n(B, H, q.device), dict(decode.SPLIT_LAUNCH), decode.PREFETCH_TILES)
+    engine = (decode.block_n(B, H, q.device), dict(decode.SPLIT_LAUNCH))
     saved = decode.BLOCK_N, decode.SMALL_BLOCK_N
-    # (num_stages: runs 3-7 found no difference; PREFETCH_TILES: each split prefetches that many tiles ahead)
-    for bn, nw, ns, pf in itertools.product((32, 64, 128), (2, 4, 8), (3,), (0, 1, 2)):
+    # (num_stages: runs 3-7 found no difference)
+    for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (3,)):
         decode.BLOCK_N = decode.SMALL_BLOCK_N = bn  # (whatever the number of rows)
-        decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = dict(num_warps=nw, num_stages=ns), pf
+        decode.SPLIT_LAUNCH = dict(num_warps=nw, num_stages=ns)
         us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p))
-        rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, PREFETCH_TILES=pf, us=us,
-                         gb_s=nbytes / us / 1e3))
-    (decode.BLOCK_N, decode.SMALL_BLOCK_N), decode.SPLIT_LAUNCH, decode.PREFETCH_TILES = saved, engine[1], engine[2]
+        rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
+    (decode.BLOCK_N, decode.SMALL_BLOCK_N), decode.SPLIT_LAUNCH = saved, engine[1]
     p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
     us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p_rows))
     rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2
@@ -71,7 +70,7 @@ def sweep_dense(rows):
     us = timeit(lambda: (k.index_copy_(2, at, k_new[:, :, None]), v.index_copy_(2, at, v_new[:, :, None])))
     extra.append(dict(kernel="dense-writes", us=us))
     rows += extra
-    report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1], PREFETCH_TILES=engine[2]), extra)
+    report(rows, "dense", dict(BLOCK_N=engine[0], **engine[1]), extra)
 
 def sweep_ring(rows):
     """diagonal's default read set on the 24x24 grid: the kernel by rows per program, heads_first,
@@ -90,11 +89,8 @@ def sweep_ring(rows):
     agrees = lambda out: bool(torch.allclose(out.float(), want, atol=1e-2, rtol=1e-2))
     # (num_stages left at its default: no setting's loop was pipelined, and 70 settings built and timed
     # from CUDA graphs ran past 300 s in run 8; 8 rows per program and 4 warps never won a round)
-    settings = [dict(rows_per_program=rw, heads_first=hf, num_warps=nw, prefetch_ahead=0)
+    settings = [dict(rows_per_program=rw, heads_first=hf, num_warps=nw)
                 for rw, hf, nw in itertools.product((1, 2, 4), (False, True), (1, 2))]
-    # each program prefetching the reads of the one `ahead` launch places later (an SM holds 8 one-warp
-    # programs: 1,056 on the H200 is about one wave ahead)
-    settings += [dict(rows_per_program=1, heads_first=False, num_warps=1, prefetch_ahead=a) for a in (264, 528, 1056, 2112)]
     fns, oks = {}, {}
     for setting, late in itertools.product(settings, (False, True)):
         launch = dict(setting, late_cast=late)
@@ -110,7 +106,7 @@ def sweep_ring(rows):
         rows.append(dict(kernel="ring", **dict(key), us=us, spread_us=spread, gb_s=nbytes / us / 1e3, read=nread,
                          ok=oks[key]))
     ring_rows = [x for x in rows if x["kernel"] == "ring"]
-    key = lambda x: (x["rows_per_program"], x["heads_first"], x["late_cast"], x["prefetch_ahead"])
+    key = lambda x: (x["rows_per_program"], x["heads_first"], x["late_cast"])
     extra = [dict(min((x for x in ring_rows if key(x) == v), key=lambda x: x["us"]), kernel="ring-best")
              for v in sorted({key(x) for x in ring_rows})]
     top = sorted((x for x in ring_rows if x["ok"]), key=lambda x: x["us"])[:3]

@@ -41,8 +41,7 @@ forms = {  # name: (weight bytes, the fused call, the PyTorch composition it rep
              copies((16384, 1280))),
 }
 # (run 8: chunks as long as a row (K = 1280 or 3584: block_k 2048 / 4096) with 2-8 rows per program won;
-# now also weights_first, which asks for the weight tile before reading the input; `prefetch` is for
-# whole steps, `arsparse bench --matvec --matvec-launch '{"prefetch": 1}'`, as it serves the next launch)
+# now also weights_first, which asks for the weight tile before reading the input: on since run 9)
 settings = [dict(mv.LAUNCH, block_n=bn, block_k=bk, max_tile=min(M * bn * bk, 32768), num_warps=nw_, weights_first=wf)
             for bn, bk, nw_, wf in itertools.product((2, 4, 8), (2048, 4096), (4, 8), (0, 1))]
 settings.append(dict(mv.LAUNCH))

@@ -3,7 +3,6 @@ import triton
 import triton.language as tl
 
 from ._pdl import launch_next, wait_prior
-from ._prefetch import touch_rows
 
 
 @triton.jit
@@ -21,8 +20,7 @@ def decode_split_kernel(
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr, PF_MODE: tl.constexpr = 0, PF_TILES: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
-    PF_NL: tl.constexpr = 1, PDL: tl.constexpr = False,
+    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -31,9 +29,6 @@ def decode_split_kernel(
     program reads the slot being written. ``DIRECT`` (one split): the normalised output goes to OUT.
     ``HAS_SPAN``: of the prompt positions (below P) only SPAN[b] = [lo, hi) are read (caption
     padding); a tile may then hold no readable position, so the running max is guarded.
-    ``PF_MODE`` (``_prefetch.py``): the loop over tiles waits for each tile's loads before the next
-    (Triton does not pipeline it here), so tile ``t`` prefetches tile ``t + PF_TILES`` into the L2
-    (tiles 1..PF_TILES - 1 before the loop): every position in [start + BLOCK_N, end) once.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
     """
     launch_next(PDL)
@@ -65,11 +60,6 @@ def decode_split_kernel(
     kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
     vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=wmask, other=0.0)
 
-    if PF_MODE != 0:
-        dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) line starts within a row of D
-        for t in tl.static_range(1, PF_TILES):
-            n_ahead = start + t * BLOCK_N + offs_n
-            touch_rows(k_base, v_base, 0, n_ahead, n_ahead < end, sk_s, sv_s, dl, D, PF_MODE)
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
@@ -85,9 +75,6 @@ def decode_split_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            if PF_MODE != 0:
-                n_pf = n + PF_TILES * BLOCK_N
-                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, sv_s, dl, D, PF_MODE)
             s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
             m_new = tl.maximum(m1, tl.max(s1, axis=0))
             m_ref = _finite_max(m_new, HAS_SPAN)
@@ -112,9 +99,6 @@ def decode_split_kernel(
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            if PF_MODE != 0:
-                n_pf = n + PF_TILES * BLOCK_N
-                touch_rows(k_base, v_base, 0, n_pf, n_pf < end, sk_s, sv_s, dl, D, PF_MODE)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
             s = tl.where(nmask[None, :], s, neg_gn)
             m_new = tl.maximum(m, tl.max(s, axis=1))

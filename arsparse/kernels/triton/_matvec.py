@@ -14,9 +14,6 @@ BLOCK_N weight rows per program and folds the ops around the product into it:
 - ``HAS_ROPE``: columns below ``rope_hi`` are rotated in interleaved pairs by the table (rows,
   D/2, 2) of cos/sin (q and k of a fused wqkv projection; pairs never straddle a block: BLOCK_N and
   the head size are even).
-- ``PF_MODE`` (``_prefetch.py``): after its own work each program prefetches its share of up to three
-  contiguous tensors P0..P2 (the next launches' weights) into the L2, which the memory can fetch while
-  the launches in between run.
 - ``PDL`` (``_pdl.py``): launched early beside the previous launch's last programs, a program asks for
   its weights (and RoPE table) and only then waits for the previous launch's output.
 
@@ -27,7 +24,6 @@ import triton
 import triton.language as tl
 
 from ._pdl import launch_next, wait_prior
-from ._prefetch import touch_range
 
 
 @triton.jit
@@ -48,13 +44,11 @@ def _normed(x, rstd, NW, kk, kmask):
 
 
 @triton.jit
-def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
+def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS,
                   M, N, K, sx_m, sf_m, sw_n, sw3_n, sres_m, srope_m, sy_m, sxs_m, eps, rope_hi, head_dim,
-                  pf_n0, pf_n1, pf_n2,
                   HAS_F: tl.constexpr, HAS_NORM: tl.constexpr, GLU: tl.constexpr, HAS_RES: tl.constexpr,
                   HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PF_MODE: tl.constexpr = 0, PF_RANGES: tl.constexpr = 0,
-                  PF_LINE: tl.constexpr = 64, PF_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """Columns [pid * BLOCK_N, + BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight tile is read
     once and multiplied into every row (a (BM, BN, BK) product summed over BK)."""
     pid = tl.program_id(0)
@@ -131,11 +125,3 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, P0, P1, P2,
         a, b = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # (BM, BN/2) each
         y = tl.reshape(tl.join(a * cos - b * sin, b * cos + a * sin), (BLOCK_M, BLOCK_N))
     tl.store(Y + rm[:, None] * sy_m + rn[None, :], y.to(out_dtype), mask=mmask[:, None] & nmask[None, :])
-    if PF_MODE != 0:
-        nprog = tl.num_programs(0)
-        if PF_RANGES > 0:
-            touch_range(P0, pf_n0, pid, nprog, PF_LINE, PF_BLOCK, PF_MODE)
-        if PF_RANGES > 1:
-            touch_range(P1, pf_n1, pid, nprog, PF_LINE, PF_BLOCK, PF_MODE)
-        if PF_RANGES > 2:
-            touch_range(P2, pf_n2, pid, nprog, PF_LINE, PF_BLOCK, PF_MODE)

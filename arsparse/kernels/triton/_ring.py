@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from ._pdl import launch_next, wait_prior
-from ._prefetch import touch_rows
 
 
 @triton.jit
@@ -33,8 +32,7 @@ def ring_decode_kernel(
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
-    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, pf_ahead=0, PF_MODE: tl.constexpr = 0,
-    PF_LINE: tl.constexpr = 64, PF_NL: tl.constexpr = 1, PDL: tl.constexpr = False,
+    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -43,12 +41,6 @@ def ring_decode_kernel(
 
     ``HEADS_FIRST``: the grid is (heads, row blocks), so programs launched together share a row
     (whose heads' K/V are adjacent in memory) rather than a head.
-
-    ``PF_MODE`` (``_prefetch.py``): each program also names the lines that the program ``pf_ahead``
-    places after it in launch order will read (its prompt, sinks and ring slots, each row of PF_NL
-    lines of PF_LINE elements), before its own gathers, so that they come from the L2
-    when that program runs (the waves of programs otherwise leave the memory idle while each wave
-    loads its positions and offsets before gathering).
 
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
@@ -67,37 +59,12 @@ def ring_decode_kernel(
     wait_prior(PDL)
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
-    if PF_MODE != 0:  # the program pf_ahead places later in launch order (x fastest), and its offsets
-        n_x = tl.num_programs(0)
-        n_y = tl.num_programs(1)
-        lin = tl.program_id(1) * n_x + tl.program_id(0)
-        t = lin + pf_ahead
-        t_ok = t < n_x * n_y
-        t = tl.where(t_ok, t, lin)
-        h_t = t % n_x if HEADS_FIRST else t // n_x
-        block_t = t // n_x if HEADS_FIRST else t % n_x
-        hk_t = h_t // G
-        o_t = tl.load(OFF + h_t * so_h + jo, mask=jo < n_off, other=-1)
-        dl = tl.arange(0, PF_NL) * PF_LINE  # (NL,) the line starts within a row of D
     for r in tl.range(0, ROWS):
         row = block * ROWS + r
         live = row < B
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos)
         i = pos - P  # image index of the query
-        if PF_MODE != 0:  # that program's row r: its ring slots, prompt and sinks (masked lanes -> element 0),
-            # named before this row's own gathers (fewer registers live; both wait on the position loads)
-            row_t = block_t * ROWS + r
-            ok_t = t_ok & (row_t < B)
-            b_t = tl.minimum(row_t, B - 1)
-            pos_t = tl.load(POS + b_t * spos)
-            kpos_t = pos_t - o_t
-            touch_rows(RK, RV, b_t * sr_b + hk_t * sr_h, (kpos_t - P) % W,
-                       tl.where(ok_t, (o_t >= 0) & (kpos_t >= P + S), False), sr_s, sr_s, dl, D, PF_MODE)
-            touch_rows(PK, PV, b_t * sp_b + hk_t * sp_h, jp, tl.where(ok_t, jp < P, False), sp_s, sp_s, dl, D,
-                       PF_MODE)
-            touch_rows(SK, SV, b_t * ss_b + hk_t * ss_h, js, tl.where(ok_t, (js < S) & (js <= pos_t - P), False),
-                       ss_s, ss_s, dl, D, PF_MODE)
         q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
         kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
         vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)

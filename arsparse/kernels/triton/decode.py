@@ -6,7 +6,6 @@ import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 from ._pdl import pdl_args
-from ._prefetch import row_args
 
 #: Keys per tile of a split when the (row, kv head) pairs fill the GPU; below one pair per SM (batch 1 in
 #: latency mode) tiles of SMALL_BLOCK_N and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us a call).
@@ -14,8 +13,6 @@ BLOCK_N = 128
 SMALL_BLOCK_N = 64
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
 SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
-#: Tiles ahead that each split prefetches into the L2 while it reads a tile (0: off; not yet timed).
-PREFETCH_TILES = 0
 
 
 def _sms(device: torch.device) -> int:
@@ -80,7 +77,7 @@ def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None,
                      num_splits: int | None = None, prompt_span: torch.Tensor | None = None,
-                     prompt_len: int = 0, count_prefetch: bool | str = False) -> torch.Tensor:
+                     prompt_len: int = 0) -> torch.Tensor:
     """Write the new token at ``pos`` and attend over cache positions ``0..pos``, in one kernel.
 
     The cache is read only below ``pos``; the new token's K/V are written to slot ``pos`` and used
@@ -96,8 +93,6 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads prompt positions
         (those below ``prompt_len``) only in ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty
         range; padded positions are not read. None (the default): no padding, no extra loads.
-    count_prefetch : tests: with :data:`PREFETCH_TILES`, add 1 at the start of every line the splits
-        name instead of prefetching (fp32 caches; the interpreter too); ``"lanes"``: every lane's address
     Returns (B, H, D) in q's dtype; fp32 accumulation.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -145,7 +140,6 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        PF_TILES=PREFETCH_TILES, **row_args(PREFETCH_TILES > 0, q.device, count_prefetch, q.element_size(), block_d),
         **pdl_args(q.device), **SPLIT_LAUNCH,
     )
     if not direct:

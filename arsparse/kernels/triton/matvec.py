@@ -13,7 +13,6 @@ import triton
 
 from ._matvec import matvec_kernel
 from ._pdl import pdl_args
-from ._prefetch import line_elems, mode_for
 
 #: Rows one launch takes (each weight tile is multiplied into every row in registers).
 MAX_ROWS = 16
@@ -21,13 +20,11 @@ MAX_ROWS = 16
 #: block_k) product tile holds at most max_tile elements), warps, stages. The fastest over a block's
 #: four projections at 2 rows on the H200 (docs/bench/matvec-sweep.sh, BENCHMARKS run 8): 30.4 us
 #: per block against 43.2 for the first guess (8 rows, chunks of 512) and 81.6 for cuBLAS + PyTorch.
-#: ``prefetch``: 1 lets a launch prefetch the tensors it is given into the L2 (``_prefetch.py``);
 #: ``weights_first``: 1 makes a launch whose rows fit one chunk ask for its weight tile before it
-#: reads (and normalises) the input, and read the input once (more registers). Run 9 at batch 1: prefetch
-#: slower (dense step 1.495 against 1.473 ms), weights_first faster (1.457; diagonal 1.336 against 1.355): on.
-LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, prefetch=0, weights_first=1)
-#: Tensors one launch can prefetch.
-MAX_PREFETCH = 3
+#: reads (and normalises) the input, and read the input once (more registers): run 9 at batch 1, dense
+#: step 1.457 against 1.473 ms, diagonal 1.336 against 1.355. (Prefetching the next launches' weights
+#: into the L2 was slower, 1.495 / 1.371, and was removed.)
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1)
 
 
 def parse_launch(text: str) -> dict:
@@ -40,7 +37,7 @@ def parse_launch(text: str) -> dict:
     if not isinstance(given, dict) or set(given) - set(LAUNCH):
         raise ValueError(f"matvec launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
     for k, v in given.items():
-        if k in ("prefetch", "weights_first"):
+        if k == "weights_first":
             if v not in (0, 1):
                 raise ValueError(f"matvec launch setting {k}={v!r} must be 0 or 1")
             continue
@@ -60,7 +57,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device)
 def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
            norm: tuple[torch.Tensor, float] | None = None, w_up: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, rope: tuple[torch.Tensor, int, int] | None = None,
-           prefetch: tuple[torch.Tensor, ...] = (), launch: dict | None = None, count_prefetch: bool | str = False):
+           launch: dict | None = None):
     """``y = op(x) @ w.T`` for a few rows, in one kernel.
 
     Parameters
@@ -73,13 +70,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     residual : optional (M, N): ``y = residual + in @ w.T``
     rope : optional (table (M or 1, D/2, 2) fp32 cos/sin, rotate_cols, head_dim): columns below
         ``rotate_cols`` rotated in interleaved pairs within heads of ``head_dim``, as ``apply_rope``
-    prefetch : up to :data:`MAX_PREFETCH` contiguous tensors of w's element size that later launches
-        read (the next projections' weights): with the launch setting ``prefetch=1``, on CUDA, the
-        programs prefetch them into the L2 after their own work (nothing changes in the result)
     launch : overrides of :data:`LAUNCH`
-    count_prefetch : tests: with ``prefetch=1``, add 1 at the first element of every line ``prefetch``
-        names (fp32 tensors) instead of prefetching, in the interpreter too; ``"lanes"``: at every
-        lane's address, masked ones too
 
     Returns (M, N) in x's dtype, and with ``add`` also ``x + add`` (M, K).
     """
@@ -105,13 +96,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         raise ValueError(f"unknown matvec launch settings {sorted(unknown)}; allowed: {sorted(LAUNCH)}")
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
-    pf_on, weights_first = bool(cfg.pop("prefetch")), bool(cfg.pop("weights_first"))
-    prefetch = tuple(t for t in prefetch if t.numel())  # (an empty tensor has no line to name)
-    pf_mode = mode_for(pf_on and bool(prefetch), x.device, count_prefetch)
-    if len(prefetch) > MAX_PREFETCH or any(
-            not t.is_contiguous() or t.device != x.device or t.element_size() != w.element_size() for t in prefetch):
-        raise ValueError(f"prefetch takes at most {MAX_PREFETCH} contiguous tensors on {x.device} with elements of "
-                         f"{w.element_size()} bytes, as w's")
+    weights_first = bool(cfg.pop("weights_first"))
     if rope is not None:
         table, rope_hi, head_dim = rope
         if table.dim() != 3 or table.shape[0] not in (1, M) or table.shape[1:] != (head_dim // 2, 2) \
@@ -128,18 +113,13 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     dummy = x  # (pointers of absent operands: never read)
     norm_w, eps = norm if norm is not None else (dummy, 0.0)
     grid = triton.cdiv(N, bn)
-    pf = list(prefetch) if pf_mode else []
-    line = line_elems(w.element_size())
-    per_program = max((-(-(t.numel() // line + 2) // grid) for t in pf), default=1)  # lines each program names
-    pf_block = min(1024, max(16, triton.next_power_of_2(per_program)))
-    pf += [w] * (MAX_PREFETCH - len(pf))  # (unused slots)
     matvec_kernel[(grid,)](
         x, add if add is not None else dummy, norm_w, w, w_up if w_up is not None else w,
-        residual if residual is not None else dummy, table, y, xs, *pf,
+        residual if residual is not None else dummy, table, y, xs,
         M, N, K, x.stride(0), add.stride(0) if add is not None else 0, w.stride(0),
         (w_up if w_up is not None else w).stride(0), residual.stride(0) if residual is not None else 0, srope,
-        y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim, *(t.numel() for t in pf),
+        y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim,
         HAS_F=add is not None, HAS_NORM=norm is not None, GLU=w_up is not None, HAS_RES=residual is not None,
-        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K, PF_MODE=pf_mode,
-        PF_RANGES=len(prefetch) if pf_mode else 0, PF_LINE=line, PF_BLOCK=pf_block, **pdl_args(x.device), **cfg)
+        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K,
+        **pdl_args(x.device), **cfg)
     return (y, xs) if add is not None else y

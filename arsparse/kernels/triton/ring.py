@@ -5,17 +5,15 @@ import torch
 import triton
 
 from ._pdl import pdl_args
-from ._prefetch import row_args
 from ._ring import ring_decode_kernel
 from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position_stride
 
 #: Settings of the kernel (chosen by sweeps on an H200 and checked in whole decode steps, BENCHMARKS.md
-#: runs 6 and 7): rows of one query head per program, K/V tiles kept in the cache's dtype until the
-#: products (``late_cast``), programs of one row launched together (``heads_first``; not yet timed),
-#: launch options.
-#: ``prefetch_ahead``: each program prefetches into the L2 what the program that many places later
-#: in launch order reads (0: off; not yet timed).
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, num_warps=1, prefetch_ahead=0)
+#: runs 6-8): rows of one query head per program, K/V tiles kept in the cache's dtype until the
+#: products (``late_cast``), programs of one row launched together (``heads_first``; no faster, run 8),
+#: launch options. (Prefetching the reads of the program N places later into the L2 was 0.37-0.41 ms
+#: slower per step at batch 256, run 9, and was removed.)
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, num_warps=1)
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
@@ -23,7 +21,6 @@ _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     heads_first=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
-    prefetch_ahead=(lambda v: type(v) is int and v >= 0, "an int >= 0"),
 )
 LAUNCH_KEYS = set(_VALID)
 _BOOLS = {k for k, v in _VALID.items() if v is _BOOL}
@@ -67,8 +64,7 @@ def parse_launch(text: str) -> dict:
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
                           prompt_span: torch.Tensor | None = None,
-                          rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          count_prefetch: bool | str = False) -> torch.Tensor:
+                          rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -88,16 +84,13 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     launch : overrides of :data:`LAUNCH` (for the launch sweep): ``rows_per_program`` rows of one query
         head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
         the cache's dtype until the products), ``heads_first`` (a grid of (heads, row blocks)),
-        ``num_warps``, ``num_stages``, ``prefetch_ahead`` (each program prefetches into the L2 what the
-        program that many places later in launch order reads; CUDA)
+        ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
         and V over the image positions past the sinks up to ``pos``, *the new token included* (the
         caller adds it before the launch; the kernel only reads them). Each head then also attends to
         the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
-    count_prefetch : tests: with ``prefetch_ahead``, add 1 at the start of every line the programs
-        name instead of prefetching (fp32 caches; the interpreter too); ``"lanes"``: every lane's address
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -149,11 +142,9 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     cfg = dict(LAUNCH) if launch is None else _settings(launch, "launch")
     rows = cfg.pop("rows_per_program")
     heads_first = cfg.pop("heads_first")
-    ahead = cfg.pop("prefetch_ahead")
-    pf = dict(pf_ahead=ahead, **row_args(ahead > 0, q.device, count_prefetch, q.element_size(), blocks["BLOCK_D"]))
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
-        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first, **blocks, **pf,
+        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first, **blocks,
         **pdl_args(q.device), **cfg)
     return out
