@@ -36,6 +36,19 @@ def _rho_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _same_model(bundled, path: str, name: str):
+    """The GPT at ``path``, refused unless it generates the bundle's tokens for its classes."""
+    from ..loading import load_gpt
+
+    gpt = load_gpt(path)
+    keys = ("model_type", "vocab_size", "num_classes", "grid_h", "grid_w", "cls_token_num")
+    got, want = ({k: getattr(m.config, k) for k in keys} for m in (gpt, bundled))
+    if got != want:
+        diff = ", ".join(f"{k} {got[k]} (bundle: {want[k]})" for k in keys if got[k] != want[k])
+        raise ValueError(f"--gpt-ckpt {path} does not fit {name}'s tokenizer and data: {diff}")
+    return gpt
+
+
 def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
     from ..data import EmojiDataError, FashionDataError
@@ -54,6 +67,10 @@ def cmd_eval(args) -> int:
     features = not sweeping or args.sweep_frechet  # generation, Fréchet distances and class accuracy
     name = args.model or DEFAULT_MODEL
     gpt, tok = load_model(name)
+    notes = []
+    if args.gpt_ckpt:  # other weights for the bundle's model (a fine-tuned one): same tokens, data, classifier
+        gpt = _same_model(gpt, args.gpt_ckpt, name)
+        notes.append(f"GPT weights from {args.gpt_ckpt} in place of {name}'s")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     config = EvalConfig(
         policies=tuple(policies), policy_args=parse_policy_args(args.policy_arg), match_budget=args.match_budget,
@@ -63,7 +80,6 @@ def cmd_eval(args) -> int:
         nll_batch=args.nll_batch, ref_images=args.ref_images,
         grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
         cuda_graphs=False if args.no_cuda_graphs else None)
-    notes = []
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = None
     floor = args.num_samples if features else 0
@@ -122,6 +138,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                     "OUT/eval.md and OUT/grid-POLICY.png. With --sweep-rho: every policy at a list of budgets "
                     "instead, and the budget where each comes within 2%% of dense (OUT/sweep.json, .md, .png).")
     e.add_argument("--model", default=None, help="bundle name (see `arsparse models`; default: fashion-c2i)")
+    e.add_argument("--gpt-ckpt", metavar="PATH", help="evaluate these GPT weights with the bundle's tokenizer, "
+                   "data and classifier (e.g. a fine-tuned model.safetensors of `arsparse train model --init-from`)")
     e.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names "
                    "(dense is always added)")
     e.add_argument("--policy-arg", action="append", default=[], metavar="NAME:KEY=VALUE",

@@ -364,7 +364,9 @@ class GPT(nn.Module):
         h = self.forward_hidden(h, positions, backend)
         return self.head(h[:, cfg.cls_token_num - 1 :])
 
-    def loss(self, cond: torch.Tensor, tokens: torch.Tensor, prompt_mask=None) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats) of teacher forcing: the training objective."""
-        logits = self.logits(cond, tokens, prompt_mask=prompt_mask)
+    def loss(self, cond: torch.Tensor, tokens: torch.Tensor, prompt_mask=None,
+             backend: AttentionBackend | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats) of teacher forcing: the training objective (``backend``:
+        attention as it computes it, e.g. an offset policy's read sets for sparse-aware training)."""
+        logits = self.logits(cond, tokens, prompt_mask=prompt_mask, backend=backend)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))

@@ -71,22 +71,25 @@ class OffsetPolicy(Policy):
         ``prompt_mask`` (B, P) bool (t2i caption padding, checked): the prompt block is the whole
         prompt, less its padded positions.
         """
+        T = gpt.config.cls_token_num + tokens.shape[1] - 1
+        return gpt.logits(cond, tokens, backend=self.attention_backend(gpt, T, tokens.device, prompt_mask))
+
+    def attention_backend(self, gpt, T: int, device, prompt_mask=None):
+        """The model's attention over ``T`` positions restricted to this policy's read sets (a backend for
+        ``gpt.logits(..., backend=)``, differentiable: sparse-aware training builds it once)."""
         from ..models.gpt import MaskedAttention
         from ..prompt_mask import attention_mask
 
         cfg = gpt.config
-        T = cfg.cls_token_num + tokens.shape[1] - 1
-        masks = self.mask(gpt.layout, T, cfg.n_layer, cfg.n_head).to(tokens.device)
-        rows = None if prompt_mask is None else attention_mask(prompt_mask.to(tokens.device), T)
+        masks = self.mask(gpt.layout, T, cfg.n_layer, cfg.n_head).to(device)  # (L, H, T, T)
+        rows = None if prompt_mask is None else attention_mask(prompt_mask.to(device), T)
         gqa = cfg.kv_heads != cfg.n_head
         if self.remainder:
             from .remainder import RemainderAttention
 
             first = gpt.layout.prefix_len + min(self.sink_count(gpt.layout), gpt.layout.image_tokens - 1)
-            backend = RemainderAttention(masks, first, rows, gqa=gqa)
-        else:
-            backend = MaskedAttention(masks, rows, gqa=gqa)
-        return gpt.logits(cond, tokens, backend=backend)
+            return RemainderAttention(masks, first, rows, gqa=gqa)
+        return MaskedAttention(masks, rows, gqa=gqa)
 
     # -- derived -----------------------------------------------------------------
     def offset_table(self, layout: Layout, n_layer: int, n_head: int) -> torch.Tensor:

@@ -113,7 +113,8 @@ def cmd_train_model(args) -> int:
         lr=args.lr, warmup=args.warmup, seed=args.seed, hflip=True if args.hflip else None,
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
-        progress=not args.quiet, **_dropouts(args), **grid,
+        progress=not args.quiet, init_from=args.init_from, sparse_policy=args.sparse_policy,
+        sparse_weight=args.sparse_weight, **_dropouts(args), **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
@@ -252,6 +253,15 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-dropout", type=_probability, metavar="P", help="dropout on the attention weights")
     g.add_argument("--drop-path", type=_probability, metavar="P",
                    help="stochastic depth: drop rate of the last layer's branches (0 at the first, linear between)")
+    g = m.add_argument_group("fine-tuning and sparse-aware training")
+    g.add_argument("--init-from", metavar="WEIGHTS",
+                   help="start from these weights (.safetensors/.pt of the recipe's architecture, e.g. a shipped "
+                        "model: arsparse/weights/fashion-c2i.safetensors) instead of a fresh init")
+    g.add_argument("--sparse-policy", metavar="POLICY",
+                   help="also train with attention restricted to this offset policy's read sets (e.g. diagonal), "
+                        "so that it loses less against dense")
+    g.add_argument("--sparse-weight", type=_positive_float, metavar="W",
+                   help="the sparse loss's share of the loss, in (0, 1] (default 0.5)")
     m.set_defaults(func=cmd_train_model)
 
     t = sub.add_parser(

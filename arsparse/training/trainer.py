@@ -20,6 +20,12 @@ Files under ``out_dir``::
                       loss so far, written when it improves; same format, ``"selected": "best"``
                       in its ``arsparse.train`` header entry
 
+Sparse-aware training (``sparse_policy``, usually with ``init_from``: fine-tuning a trained model):
+the loss is ``(1 - sparse_weight)`` x the dense cross-entropy plus ``sparse_weight`` x the
+cross-entropy with attention restricted to an offset policy's read sets (the masks its ring cache
+reads at decode time), so the model learns to put what it needs where that policy reads. Held-out
+losses are then reported both ways and the best weights are those of the lowest weighted sum.
+
 Regularisation: LlamaGen's dropouts (``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
 ``ffn_dropout_p``, ``drop_path_rate``; see :class:`~arsparse.models.config.GPTConfig`), drawn from
 the global torch RNG, whose state the checkpoint keeps, so resuming stays exact.
@@ -40,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..checkpoint import save_safetensors
+from ..checkpoint import load_into, read_state_dict, save_safetensors
 from ..loading import config_metadata, read_metadata
 from ..models.config import DROPOUT_FIELDS, GPT_PRESETS, GPTConfig, gpt_config
 from ..models.gpt import GPT
@@ -183,6 +189,9 @@ class TrainConfig:
     progress: bool = True
     tokenizer: dict | None = None
     dataset: str | None = None
+    init_from: str | None = None  #: weights of the same architecture to start from (fine-tuning)
+    sparse_policy: str | None = None  #: an offset policy, e.g. "diagonal": sparse-aware training
+    sparse_weight: float = 0.5  #: its share of the loss (with sparse_policy)
 
     def __post_init__(self):
         def bad(msg):
@@ -201,6 +210,10 @@ class TrainConfig:
                 bad(f"{f} must be a positive int, got {v!r}")
         if not 0.0 <= self.class_dropout_prob < 1.0:
             bad(f"class_dropout_prob must be in [0, 1), got {self.class_dropout_prob!r}")
+        if not (isinstance(self.sparse_weight, (int, float)) and 0.0 < self.sparse_weight <= 1.0):
+            bad(f"sparse_weight must be in (0, 1], got {self.sparse_weight!r}")
+        if self.sparse_policy is not None:
+            sparse_policy(self.sparse_policy, bad)
         self.gpt_config()  # architecture errors surface now, not after the data is loaded
 
     def gpt_config(self) -> GPTConfig:
@@ -297,6 +310,27 @@ RECIPES: dict[str, dict[str, Any]] = {
         tokenizer=None,
     ),
 }
+
+
+def sparse_policy(spec: str, bad=None):
+    """The offset policy ``spec`` names (``"diagonal"``, ``"streaming:recent=64"``): sparse-aware training
+    needs read sets fixed by position (masks); scored policies evict by what the model attends to."""
+    from ..policies import resolve
+    from ..policies.offset import OffsetPolicy
+
+    def fail(msg):
+        if bad is None:
+            raise ValueError(msg)
+        bad(msg)
+
+    try:
+        policy = resolve(spec)
+    except ValueError as exc:
+        fail(f"sparse_policy: {exc}")
+    if not isinstance(policy, OffsetPolicy):
+        fail(f"sparse_policy must be an offset policy (read sets fixed by position: diagonal, streaming, "
+             f"diagonal-adaptive), got {spec!r}")
+    return policy
 
 
 def recipe_config(name: str, out_dir: str, **overrides) -> TrainConfig:
@@ -464,8 +498,10 @@ def portable_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: s
 
 
 @torch.no_grad()
-def evaluate(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch_size: int, bf16: bool) -> float:
-    """Mean next-token negative log-likelihood in bits per token, with the true labels."""
+def evaluate(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch_size: int, bf16: bool,
+             backend=None) -> float:
+    """Mean next-token negative log-likelihood in bits per token, with the true labels (``backend``:
+    attention as it computes it, e.g. a policy's read sets)."""
     was_training = model.training
     model.eval()
     dev = model.tok_embeddings.weight.device
@@ -474,7 +510,7 @@ def evaluate(model: GPT, tokens: torch.Tensor, labels: torch.Tensor, batch_size:
         x = tokens[i:i + batch_size].to(dev, torch.long)
         y = labels[i:i + batch_size].to(dev, torch.long)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model.logits(y, x)
+            logits = model.logits(y, x, backend=backend)
         total += nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="sum").double()
         count += x.numel()
     model.train(was_training)
@@ -535,11 +571,19 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     model = GPT(gcfg)
     init_weights(model, cfg.seed)
     model.to(device).train()
+    backend = None  # sparse-aware training: attention restricted to the policy's read sets, built once
+    if cfg.sparse_policy is not None:
+        backend = sparse_policy(cfg.sparse_policy).prepare(model).attention_backend(
+            model, gcfg.cls_token_num + cfg.image_tokens - 1, device)
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                             **({"fused": True} if device.type == "cuda" else {}))
     loop = TrainLoop(cfg, model, opt, t_start=t_start, stop_after=stop_after, fmt=CKPT_FORMAT, data_id=data_id,
                      arch=("gpt_config", asdict(gcfg)), history={"train": [], "val": []})
     loop.resume(resume, load_checkpoint, same="data set and tokenizer")
+    if cfg.init_from is not None and loop.step == 0:  # fine-tuning: a fresh run starts from these weights
+        if not Path(cfg.init_from).is_file():
+            raise FileNotFoundError(f"init_from: no weights file at {cfg.init_from}")
+        load_into(model, read_state_dict(cfg.init_from), what=f"init_from ({cfg.init_from}) for this architecture")
     out = Path(cfg.out_dir)
     best_path = out / BEST_NAME
 
@@ -567,7 +611,13 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     def train_step(step: int) -> None:
         x, y = make_batch(cfg, step, dev_tokens, dev_labels)  # (B, T), (B,)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = loss_fn(y, x)
+            if backend is None:
+                loss = loss_fn(y, x)
+            else:
+                w = cfg.sparse_weight
+                loss = w * loss_fn(y, x, backend=backend)
+                if w < 1:
+                    loss = loss + (1 - w) * loss_fn(y, x)
         loop.update(loss)
         window_loss.add_(loss.detach().float())
 
@@ -577,9 +627,16 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         return {"train_bpt": bpt}, {"bpt": f"{bpt:.4f}"}, f"train {bpt:.4f} bits/token"
 
     def run_eval() -> float:
+        """The held-out loss the best weights are chosen by (sparse-aware: the training objective's mix)."""
         t0 = time.monotonic()
-        bpt = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16)
-        loop.history["val"].append({"step": loop.step, "val_bpt": bpt, "time_s": round(loop.train_time, 2)})
+        bpt = dense = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16)
+        entry = {"step": loop.step, "val_bpt": dense}
+        if backend is not None:
+            entry["val_bpt_sparse"] = sparse = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16, backend)
+            entry["val_objective"] = bpt = (1 - cfg.sparse_weight) * dense + cfg.sparse_weight * sparse
+            loop.log(f"step {loop.step}: val {dense:.4f} bits/token dense, {sparse:.4f} under {cfg.sparse_policy} "
+                     f"({100 * (sparse / dense - 1):+.1f} %)")
+        loop.history["val"].append(dict(entry, time_s=round(loop.train_time, 2)))
         best = loop.history.get("best")
         if best is None or bpt < best["val_bpt"]:
             save_best(bpt)
@@ -597,10 +654,9 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         return TrainResult(loop.step, False, out, loop.ckpt_path, None, None, loop.history, best_or_none())
 
     val = loop.history["val"]
-    if val and val[-1]["step"] == loop.step:  # a finished run, resumed again
-        final = val[-1]["val_bpt"]
-    else:
-        final = run_eval() if has_val else None
+    if has_val and not (val and val[-1]["step"] == loop.step):  # (else a finished run, resumed again)
+        run_eval()
+    final = val[-1]["val_bpt"] if has_val else None  # dense, also after sparse-aware training
     loop.save("finished")
     model_path = export_model(loop.ckpt_path, out / MODEL_NAME, dtype=cfg.export_dtype)
     record = loop.record(finished=True)
