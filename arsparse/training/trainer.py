@@ -665,7 +665,8 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     best = loop.history.get("best")
     loop.log(f"done: {loop.step} steps in {loop.train_time / 60:.1f} min of training; "
              f"{'final val %.4f bits/token; ' % final if final is not None else ''}model -> {model_path}"
-             + (f"; best val {best['val_bpt']:.4f} at step {best['step']} -> {best_path}" if best else ""))
+             + (f"; best {'objective' if backend is not None else 'val'} {best['val_bpt']:.4f} at step {best['step']} "
+                f"-> {best_path}" if best else ""))
     return TrainResult(loop.step, True, out, loop.ckpt_path, model_path, final, loop.history, best_or_none())
 
 
