@@ -643,7 +643,8 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
             note = f"best so far -> {best_path.name}"
         else:
             note = f"best {best['val_bpt']:.4f} at step {best['step']}"
-        loop.log(f"step {loop.step}: val {bpt:.4f} bits/token ({note}; {time.monotonic() - t0:.1f} s)")
+        what = "val" if backend is None else "objective"  # (sparse-aware: the mix the best weights are chosen by)
+        loop.log(f"step {loop.step}: {what} {bpt:.4f} bits/token ({note}; {time.monotonic() - t0:.1f} s)")
         return bpt
 
     def best_or_none() -> Path | None:

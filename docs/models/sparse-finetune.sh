@@ -13,27 +13,38 @@
 # tuned.safetensors.xz.0, .1 (xz, cut under the 16 MiB a returned file may have; `cat tuned.* | xz -d`).
 #
 # Why the packing: the call's tree may carry 64 MiB; the shipped GPT (35 MB) and Fashion-MNIST's files
-# (30 MB) do not fit beside the code as they are, but xz brings them to 25 + 26.5 MB. prepare also lists
-# what to park (the other models' weights) so that the tree fits; MobileNetV2's weights do not fit
-# beside them, so the eval here leaves that Fréchet distance out (--no-mobilenet).
+# (30 MB) do not fit beside the code as they are, but xz brings them to 25 + 26.5 MB (emoji: its GPT 26 MB
+# packed, its images 18.5 MB, the VQ 7.7 MB in the tree). prepare also lists what to park (the other
+# models' weights) so that the tree fits; MobileNetV2's weights do not fit beside them, so the eval here
+# leaves that Fréchet distance out (--no-mobilenet).
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.5} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-500} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda}  # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2)
-[ "$ds" = fashion ] || { echo "only fashion is packed so far (emoji: its data needs the VQ, 7.7 MB more)"; exit 2; }
+case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i
 if [ "$what" = prepare ]; then
-  mkdir -p .ft && grep -qx '/.ft/' .git/info/exclude || echo /.ft/ >> .git/info/exclude
+  rm -rf .ft && mkdir -p .ft && { grep -qx '/.ft/' .git/info/exclude || echo /.ft/ >> .git/info/exclude; }
   xz -T0 -6 -c arsparse/weights/$model.safetensors > .ft/gpt.safetensors.xz
-  for f in .data/fashion-mnist/*.gz; do zcat "$f" | xz -T0 -6 -c > .ft/$(basename "$f" .gz).xz; done
+  if [ $ds = fashion ]; then
+    for f in .data/fashion-mnist/*.gz; do zcat "$f" | xz -T0 -6 -c > .ft/$(basename "$f" .gz).xz; done
+    park="emoji-c2i emoji-vq fashion-c2i"
+  else  # (emoji-64.npz is compressed already; the VQ stays in the tree: the data is tokenised through it)
+    cp .data/emoji/emoji-64.npz .ft/
+    park="emoji-c2i fashion-c2i"
+  fi
   du -ch .ft/* | tail -1
-  echo "park before the call (mv back after): arsparse/weights/{emoji-c2i,emoji-vq,fashion-c2i}.safetensors"
+  echo "park before the call (mv back after):" $(for m in $park; do echo arsparse/weights/$m.safetensors; done)
   exit 0
 fi
 export PYTHONPATH=. ARSPARSE_DATA=/tmp/data TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/data/fashion-mnist
-for f in .ft/*ubyte.xz; do xz -dc "$f" | gzip -1 > /tmp/data/fashion-mnist/$(basename "$f" .xz).gz; done
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/data/fashion-mnist /tmp/data/emoji
+if [ $ds = fashion ]; then
+  for f in .ft/*ubyte.xz; do xz -dc "$f" | gzip -1 > /tmp/data/fashion-mnist/$(basename "$f" .xz).gz; done
+else
+  cp .ft/emoji-64.npz /tmp/data/emoji/
+fi
 xz -dc .ft/gpt.safetensors.xz > /tmp/shipped.safetensors
 [ -f arsparse/weights/$model.safetensors ] || cp /tmp/shipped.safetensors arsparse/weights/$model.safetensors  # (the bundle)
 t0=$(date +%s)
