@@ -69,6 +69,10 @@ def test_held_out_losses_are_reported_both_ways_and_the_best_by_their_mix(tmp_pa
     assert last["val_objective"] == pytest.approx(0.75 * dense + 0.25 * sparse, rel=1e-6)
     best = min(result.history["val"], key=lambda e: e["val_objective"])
     assert result.history["best"] == {"step": best["step"], "val_bpt": best["val_objective"]}
+    from arsparse.training.trainer import read_train_meta
+
+    header = read_train_meta(result.best_path)["val"][0]  # the best file says both losses, dense as val_bpt
+    assert header == {k: v for k, v in best.items() if k != "time_s"}
 
 
 def test_bad_sparse_training_settings_are_clear_errors(tmp_path):

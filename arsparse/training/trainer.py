@@ -571,10 +571,6 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     model = GPT(gcfg)
     init_weights(model, cfg.seed)
     model.to(device).train()
-    backend = None  # sparse-aware training: attention restricted to the policy's read sets, built once
-    if cfg.sparse_policy is not None:
-        backend = sparse_policy(cfg.sparse_policy).prepare(model).attention_backend(
-            model, gcfg.cls_token_num + cfg.image_tokens - 1, device)
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                             **({"fused": True} if device.type == "cuda" else {}))
     loop = TrainLoop(cfg, model, opt, t_start=t_start, stop_after=stop_after, fmt=CKPT_FORMAT, data_id=data_id,
@@ -584,13 +580,19 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         if not Path(cfg.init_from).is_file():
             raise FileNotFoundError(f"init_from: no weights file at {cfg.init_from}")
         load_into(model, read_state_dict(cfg.init_from), what=f"init_from ({cfg.init_from}) for this architecture")
+    backend = None  # sparse-aware training: attention restricted to the policy's read sets, built once (a
+    if cfg.sparse_policy is not None:  # calibrated policy calibrates on the weights this call starts from)
+        backend = sparse_policy(cfg.sparse_policy).prepare(model).attention_backend(
+            model, gcfg.cls_token_num + cfg.image_tokens - 1, device)
     out = Path(cfg.out_dir)
     best_path = out / BEST_NAME
 
     def save_best(bpt: float) -> None:
         since = loop.history.get("best_since", 0)
+        row = next((e for e in reversed(loop.history["val"]) if e["step"] == loop.step), {"val_bpt": bpt})
+        row = {k: v for k, v in row.items() if k != "time_s"} | {"step": loop.step}  # (sparse-aware: both losses)
         _write_weights(model.state_dict(), gcfg, cfg.to_dict(), loop.step, best_path, _DTYPES[cfg.export_dtype],
-                       val=[{"step": loop.step, "val_bpt": bpt}],
+                       val=[row],
                        extra={"selected": "best", **({"best_since": since} if since else {})})
         loop.history["best"] = {"step": loop.step, "val_bpt": bpt}
 
