@@ -35,7 +35,8 @@ if [ "$what" = prepare ]; then
     park="emoji-c2i fashion-c2i"
   fi
   du -ch .ft/* | tail -1
-  echo "park before the call (mv back after):" $(for m in $park; do echo arsparse/weights/$m.safetensors; done)
+  echo "park before the call (mv back after):" $(for m in $park; do echo arsparse/weights/$m.safetensors; done) \
+    $([ $ds = emoji ] && echo "docs/analysis docs/eval (the emoji GPT packs to 33 MB only)")
   exit 0
 fi
 export PYTHONPATH=. ARSPARSE_DATA=/tmp/data TRITON_INTERPRET=0
