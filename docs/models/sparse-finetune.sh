@@ -19,7 +19,7 @@
 # leaves that Fréchet distance out (--no-mobilenet).
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
-POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.5} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
+POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8}  # (0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS) STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-500} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda}  # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2)
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
