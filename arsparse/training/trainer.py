@@ -213,7 +213,10 @@ class TrainConfig:
         if not (isinstance(self.sparse_weight, (int, float)) and 0.0 < self.sparse_weight <= 1.0):
             bad(f"sparse_weight must be in (0, 1], got {self.sparse_weight!r}")
         if self.sparse_policy is not None:
-            sparse_policy(self.sparse_policy, bad)
+            try:
+                sparse_policy(self.sparse_policy)
+            except ValueError as exc:
+                bad(str(exc))
         self.gpt_config()  # architecture errors surface now, not after the data is loaded
 
     def gpt_config(self) -> GPTConfig:
@@ -312,24 +315,19 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-def sparse_policy(spec: str, bad=None):
+def sparse_policy(spec: str):
     """The offset policy ``spec`` names (``"diagonal"``, ``"streaming:recent=64"``): sparse-aware training
     needs read sets fixed by position (masks); scored policies evict by what the model attends to."""
     from ..policies import resolve
     from ..policies.offset import OffsetPolicy
 
-    def fail(msg):
-        if bad is None:
-            raise ValueError(msg)
-        bad(msg)
-
     try:
         policy = resolve(spec)
     except ValueError as exc:
-        fail(f"sparse_policy: {exc}")
+        raise ValueError(f"sparse_policy: {exc}") from None
     if not isinstance(policy, OffsetPolicy):
-        fail(f"sparse_policy must be an offset policy (read sets fixed by position: diagonal, streaming, "
-             f"diagonal-adaptive), got {spec!r}")
+        raise ValueError(f"sparse_policy must be an offset policy (read sets fixed by position: diagonal, streaming, "
+                         f"diagonal-adaptive), got {spec!r}")
     return policy
 
 
