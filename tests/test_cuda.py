@@ -347,6 +347,7 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, monkeypat
     tokens = torch.randint(0, model.config.vocab_size, (2, 256))
     make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy,  # noqa: E731
                              matvec=True)
+    monkeypatch.setattr(_pdl, "ENABLED", 0)
     plain = make()
     want, want_logits = plain.sample_tokens(cond, seed=5, cfg_scale=2.0), plain.cached_logits(cond, tokens)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
@@ -380,6 +381,7 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M, monkeypatch):
     # launched with PDL (the weights asked for before the wait): no bit changes
     from arsparse.kernels.triton import _pdl
 
+    monkeypatch.setattr(_pdl, "ENABLED", 0)
     plain = matvec(x, wqkv, norm=(nw, 1e-5)), matvec(gate, w2, residual=x)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
     assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5)), plain[0]) and torch.equal(matvec(gate, w2, residual=x), plain[1])

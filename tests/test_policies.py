@@ -250,13 +250,14 @@ def test_bench_variants_parse_apply_and_restore():
     from arsparse.bench import _applied, markdown_table, parse_variant
     from arsparse.kernels.triton import _pdl, matvec, ring
 
-    v = parse_variant(" ring.rows_per_program=2, ring.late_cast=1,streams=2,matvec.weights_first=0,pdl=1 ")
-    assert (v.streams, v.pdl, v.ring, v.matvec) == (2, 1, dict(rows_per_program=2, late_cast=True),
+    flip = 1 - _pdl.ENABLED  # (the opposite of the default)
+    v = parse_variant(f" ring.rows_per_program=2, ring.late_cast=1,streams=2,matvec.weights_first=0,pdl={flip} ")
+    assert (v.streams, v.pdl, v.ring, v.matvec) == (2, flip, dict(rows_per_program=2, late_cast=True),
                                                     dict(weights_first=0))
     before = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED
     with _applied(v):
         assert ring.LAUNCH == dict(before[0], rows_per_program=2, late_cast=True)
-        assert matvec.LAUNCH == dict(before[1], weights_first=0) and _pdl.ENABLED == 1
+        assert matvec.LAUNCH == dict(before[1], weights_first=0) and _pdl.ENABLED == flip
         assert _pdl.pdl_args(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)  # (only on CUDA)
     assert (dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED) == before
     for spec, msg in (("streams=3", "streams must be 1 or 2"), ("pdl=2", "pdl 0 or 1"),

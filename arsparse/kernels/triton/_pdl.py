@@ -11,7 +11,8 @@ no kernel of the step writes: weights, norm weights, the step's RoPE table (writ
 launches, which start only after everything before them has finished). Every program waits
 before it ends, so completion stays transitive along a chain of PDL launches.
 
-Off by default (``ENABLED``); ``arsparse bench --variant pdl=1`` times it. Never in the interpreter
+On by default (``ENABLED``; BENCHMARKS run 10: the latency mode's step at batch 1 went from 1.363 to
+1.103 ms); ``arsparse bench --variant pdl=0`` times it off. Never in the interpreter
 (it cannot run the instructions; it runs programs one after another anyway) or off CUDA.
 """
 from __future__ import annotations
@@ -24,8 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 #: 1: the decode kernels (matvec, dense split + combine, ring) launch with PDL on GPUs of compute
-#: capability 9 or later. Not yet timed: off.
-ENABLED = 0
+#: capability 9 or later.
+ENABLED = 1
 
 
 def pdl_args(device: torch.device) -> dict:
