@@ -61,10 +61,11 @@ class Bundle:
 
 BUNDLES: dict[str, Bundle] = {b.name: b for b in [
     Bundle("fashion-c2i", "trained here: Fashion-MNIST, 10 classes, 28x28 one token per pixel (32 grey levels), "
-           "17.7M-parameter LlamaGen GPT", gpt_file="fashion-c2i.safetensors", cfg_scale=2.0,
-           class_names=FASHION_CLASSES),
+           "17.7M-parameter LlamaGen GPT, fine-tuned for diagonal's read sets",
+           gpt_file="fashion-c2i.safetensors", cfg_scale=2.0, class_names=FASHION_CLASSES),
     Bundle("emoji-c2i", "trained here: colour emoji (Google + Twitter styles), 18 classes = category x style, "
-           "64x64 RGB through a VQ trained here (32x32 = 1024 tokens, 1024 codes), 18.5M-parameter LlamaGen GPT",
+           "64x64 RGB through a VQ trained here (32x32 = 1024 tokens, 1024 codes), 18.5M-parameter LlamaGen GPT, "
+           "fine-tuned for diagonal's read sets",
            gpt_file="emoji-c2i.safetensors", vq_file="emoji-vq.safetensors", cfg_scale=3.0, class_names=EMOJI_CLASSES,
            how_to_get="train them on a GPU with docs/models/emoji-train.sh (about 12 minutes on one H200) "
                       "and copy emoji-c2i.safetensors and emoji-vq.safetensors into that folder"),

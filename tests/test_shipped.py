@@ -19,7 +19,7 @@ def test_default_is_a_shipped_model_whose_hash_matches_its_card():
 
 
 def test_shipped_fashion_model_fits_held_out_images():
-    """Teacher-forced NLL on real test images is near the card's 1.256 bits/token, far below chance (5 bits)."""
+    """Teacher-forced NLL on real test images is near the card's 1.244-1.256 bits/token, far below chance (5 bits)."""
     data = pytest.importorskip("arsparse.data.fashion")
     try:
         images, labels = data.load_fashion("test")
@@ -78,3 +78,25 @@ def test_shipped_emoji_model_fits_held_out_images():
                                                   tokens.flatten()) / ln2
     assert bits < 0.6 * torch.log2(torch.tensor(float(tok.vocab_size)))
     assert wrong > bits
+
+
+@pytest.mark.parametrize("name", ["fashion-c2i", "emoji-c2i"])
+def test_shipped_models_lose_little_under_diagonal(name):
+    """Issue 5: the shipped weights are fine-tuned for ``diagonal``'s read sets, so teacher-forced NLL on
+    held-out images under diagonal (attention masked as its decode path reads) is within a few percent
+    of dense (measured on 512 images: +1.0 % on both; the weights before fine-tuning: +12 % and +23 %)."""
+    from arsparse.eval.evaluate import emoji_heldout, fashion_heldout
+
+    if not BUNDLES[name].available:
+        pytest.skip(f"{name} weights not installed: {BUNDLES[name].how_to_get}")
+    gpt, tok = arsparse.load_model(name)
+    try:
+        held = (fashion_heldout if name == "fashion-c2i" else emoji_heldout)(tok)
+    except Exception as e:  # (data packages absent: FashionDataError / EmojiDataError)
+        pytest.skip(f"{name}'s held-out data not installed: {e}")
+    idx = torch.randperm(len(held.tokens), generator=torch.Generator().manual_seed(1))[:16]
+    cond, tokens = held.cond[idx], held.tokens[idx]  # (16,), (16, N)
+    with torch.no_grad():
+        dense, diag = (torch.nn.functional.cross_entropy(gpt.logits(cond, tokens, policy=p).flatten(0, 1),
+                                                         tokens.flatten()).item() for p in (None, "diagonal"))
+    assert 1.0 < diag / dense < 1.03, (dense, diag)
