@@ -166,20 +166,29 @@ from triton.compiler import ASTSource
 module, name, pointers, builds = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(module), name)
 for build, (const, warps, *must) in builds.items():
+    const = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **const}
     signature = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n in ("scale", "eps") else "i32")
                  for n in kernel.arg_names}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     ok = bool(built.asm["cubin"]) and f".entry {name}" in built.asm["ptx"]
-    missing = [m for m in (must[0] if must else ()) if m not in built.asm["ptx"]]
+    ptx = built.asm["ptx"]
+    def holds(m):  # a string the PTX holds, or "ld.global before wait >= N" (or <= N): loads issued before it
+        if m.startswith("ld.global before wait"):
+            op, n = m.split()[-2:]
+            before = ptx.split("griddepcontrol.wait")[0].count("ld.global")
+            return before >= int(n) if op == ">=" else before <= int(n)
+        return m in ptx
+    missing = [m for m in (must[0] if must else ()) if not holds(m)]
     print(build, "built" if ok and not missing else f"EMPTY-or-without-{missing}", flush=True)
 """
 
 
 def compile_for_hopper(module: str, name: str, pointers: dict, builds: dict) -> None:
     """Build the Triton kernel ``module.name`` for sm_90 (Triton -> PTX -> cubin) in each of ``builds``
-    ({build: (constexprs, num_warps[, strings its PTX must hold])}; ``pointers``: argument -> pointer
+    ({build: (constexprs, num_warps[, strings its PTX must hold, or "ld.global before wait >= N" / "<= N":
+    how many global loads it issues before its first ``griddepcontrol.wait``])}; ``pointers``: argument -> pointer
     type, the rest i32 or fp32),
     without a GPU, in a process of its own (the interpreter runs Python: only this shows that the
     compiled form accepts the code). Skips without Triton's NVIDIA backend or ptxas."""

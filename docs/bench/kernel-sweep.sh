@@ -93,7 +93,7 @@ def sweep_ring(rows):
                 for rw, hf, nw in itertools.product((1, 2, 4), (False, True), (1, 2))]
     fns, oks = {}, {}
     for setting, late in itertools.product(settings, (False, True)):
-        launch = dict(setting, late_cast=late)
+        launch = dict(setting, late_cast=late, early_loads=engine["early_loads"])  # (early_loads: needs PDL chains)
         try:  # build and check every setting first
             key = tuple(launch.items())
             oks[key] = agrees(ring_decode_attention(*args(p, bufs), launch=launch))

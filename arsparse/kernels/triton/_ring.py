@@ -25,6 +25,15 @@ from ._pdl import launch_next, wait_prior
 
 
 @triton.jit
+def _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask):
+    """What the step wrote for row ``b``: the scaled query of head ``h`` (fp32) and the new token's K/V."""
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
+    kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
+    vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
+    return q, kn, vn
+
+
+@triton.jit
 def ring_decode_kernel(
     Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
@@ -32,7 +41,7 @@ def ring_decode_kernel(
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
-    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False,
+    LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -46,7 +55,10 @@ def ring_decode_kernel(
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
     reads (they already hold the new token).
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, a program loads its
-    head's offsets (which no kernel writes) and then waits for them.
+    head's offsets (which no kernel writes) and then waits for them. ``EARLY``: it waits later, after
+    a row's gathers (prompt, sinks, ring entries other than the new token's slot: all written by
+    earlier steps or the prefill, which ordinary launches at each step boundary have finished; its
+    position likewise), and before anything the step writes (the query, the new token, the sums).
     """
     launch_next(PDL)
     h = tl.program_id(0 if HEADS_FIRST else 1)
@@ -56,7 +68,8 @@ def ring_decode_kernel(
     dmask = offs_d < D
     jo = tl.arange(0, BLOCK_O)
     o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1)  # (BO,) this head's backward offsets
-    wait_prior(PDL)
+    if not EARLY:
+        wait_prior(PDL)
     jp = tl.arange(0, BLOCK_P)
     js = tl.arange(0, BLOCK_S)
     for r in tl.range(0, ROWS):
@@ -65,9 +78,8 @@ def ring_decode_kernel(
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos)
         i = pos - P  # image index of the query
-        q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
-        kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
-        vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
+        if not EARLY:
+            q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
 
         pmask = jp < P  # the prompt (BP,)
         if HAS_SPAN:
@@ -89,6 +101,9 @@ def ring_decode_kernel(
         r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
         kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
         vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
+        if EARLY:
+            wait_prior(PDL)
+            q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
         if not LATE_CAST:
             kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
             kr, vr = kr.to(tl.float32), vr.to(tl.float32)

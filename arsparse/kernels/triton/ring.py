@@ -11,14 +11,16 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: Settings of the kernel (chosen by sweeps on an H200 and checked in whole decode steps, BENCHMARKS.md
 #: runs 6-8): rows of one query head per program, K/V tiles kept in the cache's dtype until the
 #: products (``late_cast``), programs of one row launched together (``heads_first``; no faster, run 8),
-#: launch options. (Prefetching the reads of the program N places later into the L2 was 0.37-0.41 ms
-#: slower per step at batch 256, run 9, and was removed.)
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, num_warps=1)
+#: with programmatic dependent launch the gathers issued before waiting for the previous kernel
+#: (``early_loads``; not yet timed: off), launch options. (Prefetching the reads of the program N places
+#: later into the L2 was 0.37-0.41 ms slower per step at batch 256, run 9, and was removed.)
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=False, num_warps=1)
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
     late_cast=_BOOL,
     heads_first=_BOOL,
+    early_loads=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
@@ -42,7 +44,8 @@ def _settings(given: dict | None, what: str) -> dict:
 
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; ``late_cast`` and ``heads_first`` take 1/0/true/false). For ``arsparse bench --ring-launch``."""
+    (ints; ``late_cast``, ``heads_first`` and ``early_loads`` take 1/0/true/false). For ``arsparse bench
+    --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
@@ -84,6 +87,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     launch : overrides of :data:`LAUNCH` (for the launch sweep): ``rows_per_program`` rows of one query
         head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
         the cache's dtype until the products), ``heads_first`` (a grid of (heads, row blocks)),
+        ``early_loads`` (with PDL: each row's gathers before the wait for the previous kernel),
         ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
@@ -145,6 +149,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
-        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first, **blocks,
+        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
+        EARLY=cfg.pop("early_loads"), **blocks,
         **pdl_args(q.device), **cfg)
     return out
