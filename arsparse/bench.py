@@ -46,6 +46,7 @@ class Variant:
     label: str = ""
     streams: int | None = None
     pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
+    split_early: int | None = None  # with PDL, the dense split kernel's first tile before its wait (decode.py)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
 
@@ -62,14 +63,14 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
         if dot and kernel in given:
             given[kernel][name] = value
-        elif key in ("streams", "pdl") and value.isdigit():
+        elif key in ("streams", "pdl", "split_early") and value.isdigit():
             kw[key] = int(value)
         else:
-            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, pdl=0|1, "
+            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, pdl=0|1, split_early=0|1, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
                              f"({', '.join(sorted(matvec.LAUNCH))})")
-    if kw.get("streams", 1) not in (1, 2) or kw.get("pdl", 0) not in (0, 1):
-        raise ValueError(f"variant streams must be 1 or 2 and pdl 0 or 1, got {spec!r}")
+    if kw.get("streams", 1) not in (1, 2) or kw.get("pdl", 0) not in (0, 1) or kw.get("split_early", 0) not in (0, 1):
+        raise ValueError(f"variant streams must be 1 or 2, pdl and split_early 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
@@ -84,16 +85,18 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .kernels.triton import _pdl, matvec, ring
+    from .kernels.triton import _pdl, decode, matvec, ring
 
-    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, decode.EARLY_LOADS
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
+    if variant.split_early is not None:
+        decode.EARLY_LOADS = bool(variant.split_early)
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED = saved
+        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, decode.EARLY_LOADS = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -131,12 +134,12 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def _kernel_settings() -> dict:
-    """The ring kernel's launch settings and PDL in effect (None without Triton)."""
+    """The ring kernel's launch settings, PDL and the split kernel's early loads in effect (None without Triton)."""
     try:
-        from .kernels.triton import _pdl, ring
+        from .kernels.triton import _pdl, decode, ring
     except ImportError:
-        return dict(ring_launch=None, pdl=None)
-    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED)
+        return dict(ring_launch=None, pdl=None, split_early=None)
+    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED, split_early=decode.EARLY_LOADS)
 
 
 def _matvec_launch() -> dict:
@@ -367,7 +370,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also time every policy and batch with these settings on top of the run's, in the same "
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
-                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.rows_per_program=2,pdl=1'")
+                        "split_early (0 or 1: with PDL the dense split kernel's first tile before its wait), "
+                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.early_loads=1,pdl=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

@@ -37,7 +37,13 @@ def _same(got: list, want: list) -> None:
     (3, 6, 3, 90, 100, "rows", 1),  # per row, one split (the output written directly)
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
 ])
-def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits):
+@pytest.mark.parametrize("early", [False, True])
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits, early,
+                                                       monkeypatch):
+    """``early``: each split's first tile loaded before the (PDL) wait, apart from the loop (decode.EARLY_LOADS)."""
+    from arsparse.kernels.triton import decode
+
+    monkeypatch.setattr(decode, "EARLY_LOADS", early)
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.float32, S * 7 + D + B, DEVICE)
     got = decode_attention(*inputs, num_splits=splits)
     assert torch.isfinite(got).all()
@@ -191,7 +197,13 @@ def test_dense_kernel_compiles_for_hopper():
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
     base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
     builds = {"engine": (base, 2),
-              "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2, PDL_PTX),
+              "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2,
+                                  PDL_PTX + ["ld.global before wait <= 0"]),
+              # early loads: the first tile's K and V (2 x 64 rows of 128 B at 2 warps) before the wait
+              "small-tiles-pdl-early": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True, EARLY=True), 2,
+                                        PDL_PTX + ["ld.global before wait >= 8"]),
+              "gqa-span-pdl-early": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True,
+                                          PDL=True, EARLY=True), 4, PDL_PTX + ["ld.global before wait >= 4"]),
               "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4)}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}

@@ -14,13 +14,56 @@ def _finite_max(m, GUARD: tl.constexpr):
 
 
 @triton.jit
+def _tile_mask(n, end, lo, hi, P, HAS_SPAN: tl.constexpr):
+    """Which keys ``n`` (BN,) of a tile are read: below ``end`` and, with a caption span, inside it."""
+    nmask = n < end
+    if HAS_SPAN:
+        nmask = nmask & (n >= lo) & ((n < hi) | (n >= P))
+    return nmask
+
+
+@triton.jit
+def _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask):
+    """The K and V rows ``n`` (BN, BD) of a tile, in the cache's dtype (masked rows 0)."""
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _mha_tile(k, v, nmask, q1, m1, l1, acc1, HAS_SPAN: tl.constexpr):
+    """One tile into the online softmax of one query vector: running max, sum and (BD,) accumulator."""
+    k, v = k.to(tl.float32), v.to(tl.float32)
+    s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), float("-inf"))  # (BN,)
+    m_new = tl.maximum(m1, tl.max(s1, axis=0))
+    m_ref = _finite_max(m_new, HAS_SPAN)
+    alpha = tl.exp(m1 - m_ref)
+    p1 = tl.exp(s1 - m_ref)
+    return m_new, l1 * alpha + tl.sum(p1, axis=0), acc1 * alpha + tl.sum(p1[:, None] * v, axis=0)
+
+
+@triton.jit
+def _gqa_tile(k, v, nmask, q, m, l, acc, HAS_SPAN: tl.constexpr):
+    """One tile into the online softmax of a group's BG query vectors: (BG,) max and sum, (BG, BD) accumulator."""
+    k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_ref = _finite_max(m_new, HAS_SPAN)
+    alpha = tl.exp(m - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+
+@triton.jit
 def decode_split_kernel(
     Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -30,13 +73,19 @@ def decode_split_kernel(
     ``HAS_SPAN``: of the prompt positions (below P) only SPAN[b] = [lo, hi) are read (caption
     padding); a tile may then hold no readable position, so the running max is guarded.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
+    ``EARLY``: it loads its first tile before that wait (positions below ``pos`` were written by
+    earlier steps or the prefill, finished by the ordinary launches at each step boundary, as was
+    ``pos``): at one tile per split, as in latency mode, every cache read happens before the wait.
     """
     launch_next(PDL)
-    wait_prior(PDL)
+    if not EARLY:
+        wait_prior(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
     pos = tl.load(POS + b * spos)
+    lo = 0
+    hi = 0
     if HAS_SPAN:
         lo = tl.load(SPAN + 2 * b)
         hi = tl.load(SPAN + 2 * b + 1)
@@ -50,12 +99,19 @@ def decode_split_kernel(
     gmask = offs_g < G
     dmask = offs_d < D
     heads = hk * G + offs_g
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    first = start  # the first tile the loop loads
+    if EARLY:
+        n0 = start + offs_n
+        nmask0 = _tile_mask(n0, end, lo, hi, P, HAS_SPAN)
+        k0, v0 = _load_tile(k_base, v_base, n0, nmask0, sk_s, sv_s, offs_d, dmask)
+        first = start + BLOCK_N
+        wait_prior(PDL)
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
     q = (q * scale).to(tl.float32)  # scale may arrive as fp64 from torch.compile
 
-    k_base = K + b * sk_b + hk * sk_h
-    v_base = V + b * sv_b + hk * sv_h
     wmask = tl.where(own, dmask, False)  # (not `dmask & own`: the interpreter mistypes block & scalar)
     kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
     vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=wmask, other=0.0)
@@ -63,26 +119,16 @@ def decode_split_kernel(
     if BLOCK_G == 1:
         # MHA: one query vector; 2-D tiles keep the reductions cheap.
         q1 = tl.sum(q, axis=0)  # (BD,)
-        neg_n = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        m1 = tl.max(neg_n, axis=0)
+        m1 = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
         l1 = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
         acc1 = tl.zeros((BLOCK_D,), tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + offs_n
-            nmask = n < end
-            if HAS_SPAN:
-                nmask = nmask & (n >= lo) & ((n < hi) | (n >= P))
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), neg_n)  # (BN,)
-            m_new = tl.maximum(m1, tl.max(s1, axis=0))
-            m_ref = _finite_max(m_new, HAS_SPAN)
-            alpha = tl.exp(m1 - m_ref)
-            p1 = tl.exp(s1 - m_ref)
-            l1 = l1 * alpha + tl.sum(p1, axis=0)
-            acc1 = acc1 * alpha + tl.sum(p1[:, None] * v, axis=0)
-            m1 = m_new
+        if EARLY:
+            m1, l1, acc1 = _mha_tile(k0, v0, nmask0, q1, m1, l1, acc1, True)  # (guarded: it may be empty)
+        for n_start in range(first, end, BLOCK_N):
+            n = n_start + offs_n
+            nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
+            k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
+            m1, l1, acc1 = _mha_tile(k, v, nmask, q1, m1, l1, acc1, HAS_SPAN)
         m = tl.zeros((BLOCK_G,), tl.float32) + m1
         l = tl.zeros((BLOCK_G,), tl.float32) + l1
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32) + acc1[None, :]
@@ -90,24 +136,13 @@ def decode_split_kernel(
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        neg_gn = tl.full((BLOCK_G, BLOCK_N), float("-inf"), tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + offs_n
-            nmask = n < end
-            if HAS_SPAN:
-                nmask = nmask & (n >= lo) & ((n < hi) | (n >= P))
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
-            s = tl.where(nmask[None, :], s, neg_gn)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_ref = _finite_max(m_new, HAS_SPAN)
-            alpha = tl.exp(m - m_ref)
-            p = tl.exp(s - m_ref[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+        if EARLY:
+            m, l, acc = _gqa_tile(k0, v0, nmask0, q, m, l, acc, True)  # (guarded: it may be empty)
+        for n_start in range(first, end, BLOCK_N):
+            n = n_start + offs_n
+            nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
+            k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
+            m, l, acc = _gqa_tile(k, v, nmask, q, m, l, acc, HAS_SPAN)
 
     # the new token, from registers (only in the split that holds pos); written after every read,
     # so a read of its slot from memory would see the old (in tests: poisoned) entry
