@@ -32,28 +32,28 @@ def _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask):
 
 
 @triton.jit
-def _mha_tile(k, v, nmask, q1, m1, l1, acc1, HAS_SPAN: tl.constexpr):
-    """One tile into the online softmax of one query vector: running max, sum and (BD,) accumulator."""
+def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constexpr):
+    """One tile (BN, BD) into an online softmax. ``MHA``: one query vector q (BD,), scalar running max
+    and sum, (BD,) accumulator; else the group's q (BG, BD), (BG,) max and sum, (BG, BD) accumulator.
+    ``GUARD``: the tile may hold no readable key (see :func:`_finite_max`)."""
     k, v = k.to(tl.float32), v.to(tl.float32)
-    s1 = tl.where(nmask, tl.sum(k * q1[None, :], axis=1), float("-inf"))  # (BN,)
-    m_new = tl.maximum(m1, tl.max(s1, axis=0))
-    m_ref = _finite_max(m_new, HAS_SPAN)
-    alpha = tl.exp(m1 - m_ref)
-    p1 = tl.exp(s1 - m_ref)
-    return m_new, l1 * alpha + tl.sum(p1, axis=0), acc1 * alpha + tl.sum(p1[:, None] * v, axis=0)
-
-
-@triton.jit
-def _gqa_tile(k, v, nmask, q, m, l, acc, HAS_SPAN: tl.constexpr):
-    """One tile into the online softmax of a group's BG query vectors: (BG,) max and sum, (BG, BD) accumulator."""
-    k, v = k.to(tl.float32), v.to(tl.float32)
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (BG, BN)
-    s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_ref = _finite_max(m_new, HAS_SPAN)
-    alpha = tl.exp(m - m_ref)
-    p = tl.exp(s - m_ref[:, None])
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    if MHA:  # 2-D tiles keep the reductions cheap
+        s = tl.where(nmask, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BN,)
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        m_ref = _finite_max(m_new, GUARD)
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref)
+        l = l * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    else:
+        s = tl.where(nmask[None, :], tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))  # (BG, BN)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = _finite_max(m_new, GUARD)
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -116,33 +116,28 @@ def decode_split_kernel(
     kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
     vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=wmask, other=0.0)
 
-    if BLOCK_G == 1:
-        # MHA: one query vector; 2-D tiles keep the reductions cheap.
-        q1 = tl.sum(q, axis=0)  # (BD,)
-        m1 = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
-        l1 = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
-        acc1 = tl.zeros((BLOCK_D,), tl.float32)
-        if EARLY:
-            m1, l1, acc1 = _mha_tile(k0, v0, nmask0, q1, m1, l1, acc1, True)  # (guarded: it may be empty)
-        for n_start in range(first, end, BLOCK_N):
-            n = n_start + offs_n
-            nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
-            k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
-            m1, l1, acc1 = _mha_tile(k, v, nmask, q1, m1, l1, acc1, HAS_SPAN)
-        m = tl.zeros((BLOCK_G,), tl.float32) + m1
-        l = tl.zeros((BLOCK_G,), tl.float32) + l1
-        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32) + acc1[None, :]
+    MHA: tl.constexpr = BLOCK_G == 1
+    if MHA:  # one query vector: scalar max and sum, (BD,) accumulator
+        qt = tl.sum(q, axis=0)  # (BD,)
+        m = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
+        l = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
     else:
+        qt = q
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        if EARLY:
-            m, l, acc = _gqa_tile(k0, v0, nmask0, q, m, l, acc, True)  # (guarded: it may be empty)
-        for n_start in range(first, end, BLOCK_N):
-            n = n_start + offs_n
-            nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
-            k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
-            m, l, acc = _gqa_tile(k, v, nmask, q, m, l, acc, HAS_SPAN)
+    if EARLY:
+        m, l, acc = _attend_tile(k0, v0, nmask0, qt, m, l, acc, True, MHA)  # (guarded: it may be empty)
+    for n_start in range(first, end, BLOCK_N):
+        n = n_start + offs_n
+        nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
+        k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
+        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA)
+    if MHA:  # (back to the group's shapes)
+        m = tl.zeros((BLOCK_G,), tl.float32) + m
+        l = tl.zeros((BLOCK_G,), tl.float32) + l
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32) + acc[None, :]
 
     # the new token, from registers (only in the split that holds pos); written after every read,
     # so a read of its slot from memory would see the old (in tests: poisoned) entry
