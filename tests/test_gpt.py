@@ -207,6 +207,37 @@ def test_fused_blocks_equal_the_module_path(model_type):
         model.unfuse()
 
 
+def test_merged_ffn_equals_the_module_path_and_unmerges():
+    """fuse(merge_ffn=True): w1 and w3 as views into one tensor (no copy), one matrix product; the
+    logits equal the module path's; a weight replaced afterwards is used as it is now; unfuse gives
+    back separate storage."""
+    from functools import partial
+
+    model = random_gpt("c2i", seed=9, n_kv_head=2)
+    cond = random_cond(model, 2, seed=3)
+    tokens = torch.randint(0, model.config.vocab_size, (2, model.config.image_tokens))
+    ff = model.layers[1].feed_forward
+    w1, w3 = ff.w1.weight.detach().clone(), ff.w3.weight.detach().clone()
+    with torch.no_grad():
+        want = model.logits(cond, tokens)
+        model.fuse(partial(torch.compile, backend="eager", fullgraph=True, dynamic=False), merge_ffn=True)
+        assert ff.merged and torch.equal(ff.w13, torch.cat([w1, w3]))
+        assert ff.w1.weight.data_ptr() == ff.w13.data_ptr()  # (views: no second copy of the weights)
+        assert ff.w3.weight.data_ptr() == ff.w13[w1.shape[0]:].data_ptr()
+        torch.testing.assert_close(model.logits(cond, tokens), want, atol=1e-5, rtol=1e-5)
+        ff.w3.weight.data = torch.randn_like(w3)  # (reassigned: no longer the view) -> the new weight counts
+        assert not ff.merged
+        moved = model.logits(cond, tokens)
+        assert not torch.allclose(moved, want, atol=1e-3)
+        model.unfuse()
+        torch.testing.assert_close(model.logits(cond, tokens), moved, atol=1e-5, rtol=1e-5)
+        model.fuse(None, merge_ffn=True)
+        model.unfuse()
+    assert ff.w13 is None and ff.w1.weight.untyped_storage().data_ptr() != ff.w3.weight.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="merge_ffn applies to the built-in halves only"):
+        model.fuse(None, halves=(None, None, None), merge_ffn=True)
+
+
 def test_unknown_compile_mode_is_refused_by_name():
     from arsparse.engine.generator import COMPILE_MODES, Generator
 

@@ -19,6 +19,10 @@ from ..prompt_mask import attention_mask, check_prompt_mask
 from .config import GPTConfig
 from .rope import apply_rope, rope_table
 
+# GPT.fuse's default: each block's w1 and w3 as one matrix product (at batch 256 on an H200 the
+# SwiGLU products 0.655 -> 0.537 ms per step, BENCHMARKS run 11; ``arsparse bench --variant w13=0``).
+MERGE_FFN = True
+
 
 class AttentionBackend(Protocol):
     """What the model calls for attention when it is not plain causal self-attention."""
@@ -68,8 +72,13 @@ def qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, rope: torch.Tensor, n_head: in
     return q, k, v.view(B, T, n_kv, D).transpose(1, 2)
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU; ``w3`` None: ``w1`` holds w1 and w3 stacked (2 * hidden, dim), one matrix product for both."""
+    if w3 is None:
+        gate, up = F.linear(x, w1).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(x, w1), F.linear(x, w3)
+    return F.linear(F.silu(gate) * up, w2)
 
 
 def block_in(x, f, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
@@ -153,6 +162,26 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
         self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
         self.dropout_p = cfg.ffn_dropout_p
+        self.w13 = None  # (2 * hidden, dim) while merged: w1's and w3's weights are views into it
+
+    def merge(self) -> None:
+        """Store w1 and w3 as the two halves of one tensor (no extra memory), for one matrix product."""
+        if not self.merged:
+            self.w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+            self.w1.weight.data, self.w3.weight.data = self.w13.chunk(2)
+
+    def unmerge(self) -> None:
+        """Back to separate storage for w1 and w3."""
+        if self.w13 is not None:
+            self.w1.weight.data, self.w3.weight.data = (w.data.clone() for w in (self.w1.weight, self.w3.weight))
+            self.w13 = None
+
+    @property
+    def merged(self) -> bool:
+        """Merged, and w1/w3 still the views (a reassigned weight ends it)."""
+        w13 = self.w13
+        return (w13 is not None and self.w1.weight.data_ptr() == w13.data_ptr()
+                and self.w3.weight.data_ptr() == w13[self.w1.weight.shape[0]:].data_ptr())
 
     def forward(self, x):
         out = swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight)
@@ -210,8 +239,9 @@ class TransformerBlock(nn.Module):
         a, ff = self.attention, self.feed_forward
         x, q, k, v = first(x, f, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv,
                            self.attention_norm.eps)
+        w1, w3 = (ff.w13, None) if ff.merged else (ff.w1.weight, ff.w3.weight)
         return second(x, a.attend(q, k, v, layer, backend), a.wo.weight, self.ffn_norm.weight,
-                      ff.w1.weight, ff.w3.weight, ff.w2.weight, self.ffn_norm.eps)
+                      w1, w3, ff.w2.weight, self.ffn_norm.eps)
 
 
 class GPT(nn.Module):
@@ -235,7 +265,7 @@ class GPT(nn.Module):
         self.layout = Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w)
         self.fused = None
 
-    def fuse(self, compiler=None, halves=None) -> "GPT":
+    def fuse(self, compiler=None, halves=None, merge_ffn: bool | None = None) -> "GPT":
         """Run each block as two functions of tensors (``block_in``, ``block_out``), through ``compiler``.
 
         ``gpt.fuse(torch.compile)`` compiles each half once for all layers (the weights are arguments),
@@ -245,13 +275,25 @@ class GPT(nn.Module):
         takes the last position's residual add, final norm and head (:meth:`next_logits`).
         ``halves``: other functions of the same signatures, all three (:mod:`arsparse.models.matvec_blocks`:
         steps of a few rows through Triton matrix-vector kernels).
+        ``merge_ffn`` (default :data:`MERGE_FFN`; not with ``halves``): each block's w1 and w3 stored as one
+        tensor and applied as one matrix product (wider tiles fill more SMs at a few hundred rows).
         """
+        if halves is not None and merge_ffn:
+            raise ValueError("merge_ffn applies to the built-in halves only, not to halves=...")
         wrap = compiler or (lambda fn: fn)
         self.fused = tuple(wrap(fn) for fn in (halves or (block_in, block_out, final_logits)))
+        merge = halves is None and (MERGE_FFN if merge_ffn is None else merge_ffn)
+        for layer in self.layers:
+            if merge:
+                layer.feed_forward.merge()
+            else:
+                layer.feed_forward.unmerge()
         return self
 
     def unfuse(self) -> "GPT":
         self.fused = None
+        for layer in self.layers:
+            layer.feed_forward.unmerge()
         return self
 
     # ---- conditions ----------------------------------------------------------
