@@ -46,9 +46,12 @@ class Variant:
     label: str = ""
     streams: int | None = None
     pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
-    split_early: int | None = None  # with PDL, the dense split kernel's first tile before its wait (decode.py)
+    w13: int | None = None  # compiled path: w1 and w3 as one matrix product (models/gpt.py MERGE_FFN)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
+
+
+_SWITCHES = ("pdl", "w13")  # (the variant settings that are 0 or 1)
 
 
 def parse_variant(spec: str) -> Variant:
@@ -63,14 +66,15 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"a variant is KEY=VALUE pairs separated by commas, got {item!r}")
         if dot and kernel in given:
             given[kernel][name] = value
-        elif key in ("streams", "pdl", "split_early") and value.isdigit():
+        elif key in ("streams", *_SWITCHES) and value.isdigit():
             kw[key] = int(value)
         else:
-            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, pdl=0|1, split_early=0|1, "
+            raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, "
+                             f"{', '.join(k + '=0|1' for k in _SWITCHES)}, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
                              f"({', '.join(sorted(matvec.LAUNCH))})")
-    if kw.get("streams", 1) not in (1, 2) or kw.get("pdl", 0) not in (0, 1) or kw.get("split_early", 0) not in (0, 1):
-        raise ValueError(f"variant streams must be 1 or 2, pdl and split_early 0 or 1, got {spec!r}")
+    if kw.get("streams", 1) not in (1, 2) or any(kw.get(k, 0) not in (0, 1) for k in _SWITCHES):
+        raise ValueError(f"variant streams must be 1 or 2, {', '.join(_SWITCHES)} 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
@@ -85,18 +89,19 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .kernels.triton import _pdl, decode, matvec, ring
+    from .kernels.triton import _pdl, matvec, ring
+    from .models import gpt
 
-    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, decode.EARLY_LOADS
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
-    if variant.split_early is not None:
-        decode.EARLY_LOADS = bool(variant.split_early)
+    if variant.w13 is not None:
+        gpt.MERGE_FFN = bool(variant.w13)
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, decode.EARLY_LOADS = saved
+        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -134,12 +139,14 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def _kernel_settings() -> dict:
-    """The ring kernel's launch settings, PDL and the split kernel's early loads in effect (None without Triton)."""
+    """The ring kernel's launch settings and PDL (None without Triton), and the merged w1/w3, in effect."""
+    from .models import gpt
+
     try:
-        from .kernels.triton import _pdl, decode, ring
+        from .kernels.triton import _pdl, ring
     except ImportError:
-        return dict(ring_launch=None, pdl=None, split_early=None)
-    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED, split_early=decode.EARLY_LOADS)
+        return dict(ring_launch=None, pdl=None, w13=gpt.MERGE_FFN)
+    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED, w13=gpt.MERGE_FFN)
 
 
 def _matvec_launch() -> dict:
@@ -370,7 +377,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also time every policy and batch with these settings on top of the run's, in the same "
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
-                        "split_early (0 or 1: with PDL the dense split kernel's first tile before its wait), "
+                        "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.early_loads=1,pdl=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")

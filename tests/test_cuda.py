@@ -334,15 +334,14 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
     assert (got - want).norm() / want.norm() < tol
 
 
-@pytest.mark.parametrize("policy,early", [(None, False), (None, True), ("diagonal", False), ("diagonal", True)])
+@pytest.mark.parametrize("policy,early", [(None, False), ("diagonal", False), ("diagonal", True)])
 def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, monkeypatch):
     """PDL (kernels/triton/_pdl.py): each decode kernel starts beside the last programs of the one
     before and waits for it before reading what the step writes. Latency mode in bf16 (matvec, split +
     combine or ring kernels back to back), the step in a CUDA graph: the same tokens and teacher-forced
     logits, bit for bit, as plain launches (a read before its input was written would change them).
-    ``early``: the ring kernel's gathers and the split kernel's first tile issued before their wait
-    (``ring.LAUNCH["early_loads"]``, ``decode.EARLY_LOADS``)."""
-    from arsparse.kernels.triton import _pdl, decode, ring
+    ``early``: the ring kernel's gathers issued before its wait (``ring.LAUNCH["early_loads"]``)."""
+    from arsparse.kernels.triton import _pdl, ring
 
     model = random_gpt("c2i", seed=16, image_tokens=256, n_kv_head=2)
     cond = random_cond(model, 2)
@@ -354,7 +353,6 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, mo
     want, want_logits = plain.sample_tokens(cond, seed=5, cfg_scale=2.0), plain.cached_logits(cond, tokens)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
     monkeypatch.setitem(ring.LAUNCH, "early_loads", early)
-    monkeypatch.setattr(decode, "EARLY_LOADS", early)
     assert _pdl.pdl_args(torch.device("cuda"))["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
     gen = make()
     assert torch.equal(gen.sample_tokens(cond, seed=5, cfg_scale=2.0), want)

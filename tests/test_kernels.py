@@ -37,13 +37,7 @@ def _same(got: list, want: list) -> None:
     (3, 6, 3, 90, 100, "rows", 1),  # per row, one split (the output written directly)
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
 ])
-@pytest.mark.parametrize("early", [False, True])
-def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits, early,
-                                                       monkeypatch):
-    """``early``: each split's first tile loaded before the (PDL) wait, apart from the loop (decode.EARLY_LOADS)."""
-    from arsparse.kernels.triton import decode
-
-    monkeypatch.setattr(decode, "EARLY_LOADS", early)
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits):
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.float32, S * 7 + D + B, DEVICE)
     got = decode_attention(*inputs, num_splits=splits)
     assert torch.isfinite(got).all()
@@ -94,8 +88,8 @@ def test_decode_attention_rejects_bad_input():
 
 
 @pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True),
-                                    dict(rows_per_program=4, heads_first=True, early_loads=True)],
-                         ids=["engine", "rows2-late", "rows4-heads-first-early"])
+                                    dict(rows_per_program=4, heads_first=True, early_loads=False)],
+                         ids=["engine", "rows2-late", "rows4-heads-first-wait-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -116,8 +110,8 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True, early_loads=True)],
-                         ids=["engine", "rows2-late-early"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True, early_loads=False)],
+                         ids=["engine", "rows2-late-wait-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
 def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
@@ -199,11 +193,6 @@ def test_dense_kernel_compiles_for_hopper():
     builds = {"engine": (base, 2),
               "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2,
                                   PDL_PTX + ["ld.global before wait <= 0"]),
-              # early loads: the first tile's K and V (2 x 64 rows of 128 B at 2 warps) before the wait
-              "small-tiles-pdl-early": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True, EARLY=True), 2,
-                                        PDL_PTX + ["ld.global before wait >= 8"]),
-              "gqa-span-pdl-early": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True,
-                                          PDL=True, EARLY=True), 4, PDL_PTX + ["ld.global before wait >= 4"]),
               "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4)}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}
@@ -393,17 +382,20 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
 
 RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
     "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                    HEADS_FIRST=False), 1),
+                    HEADS_FIRST=False, EARLY=True), 1),
     "rows4-span-rest-heads-first": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
                                          LATE_CAST=False, HEADS_FIRST=True), 1),
     "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True,
                               HEADS_FIRST=False), 4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True,
                              HEADS_FIRST=False), 2),
-    # with PDL the offsets alone are loaded before the wait; with early_loads the gathers too (run
-    # 10's build: 279 of 289 global loads; after it only the query, the new token and the sums)
+    # with PDL and early_loads (the engine's) the gathers are loaded before the wait (session 9's build:
+    # 279 of 289 global loads; after it only the query, the new token and the sums); without
+    # early_loads only the offsets
     "engine-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                        HEADS_FIRST=False, PDL=True), 1, PDL_PTX + ["ld.global before wait <= 4"]),
+                        HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
+    "pdl-wait-first": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
+                            HEADS_FIRST=False, PDL=True, EARLY=False), 1, PDL_PTX + ["ld.global before wait <= 4"]),
     "rest-pdl-early": (dict(G=2, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True, LATE_CAST=False,
                             HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
 }

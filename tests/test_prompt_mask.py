@@ -190,12 +190,7 @@ def test_guided_sampling_masks_the_unconditional_rows_too():
     (3, 4, 4, 90, 32, 7, "rows", 1),  # one split: the output written directly
     (3, 8, 1, 200, 64, 130, 180, 2),  # MQA, one position for every row
 ])
-@pytest.mark.parametrize("early", [False, True])
-def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, B, H, Hkv, S, D, P_, pos, splits, early,
-                                                    monkeypatch):
-    from arsparse.kernels.triton import decode
-
-    monkeypatch.setattr(decode, "EARLY_LOADS", early)  # (the first tile loaded apart: may be all padding)
+def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, B, H, Hkv, S, D, P_, pos, splits):
     g = torch.Generator().manual_seed(S + P_)
     q, k_new, v_new = (torch.randn(B, h, D, generator=g) for h in (H, Hkv, Hkv))
     kc, vc = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))

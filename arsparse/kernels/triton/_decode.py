@@ -63,7 +63,7 @@ def decode_split_kernel(
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -73,13 +73,11 @@ def decode_split_kernel(
     ``HAS_SPAN``: of the prompt positions (below P) only SPAN[b] = [lo, hi) are read (caption
     padding); a tile may then hold no readable position, so the running max is guarded.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
-    ``EARLY``: it loads its first tile before that wait (positions below ``pos`` were written by
-    earlier steps or the prefill, finished by the ordinary launches at each step boundary, as was
-    ``pos``): at one tile per split, as in latency mode, every cache read happens before the wait.
+    (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
+    BENCHMARKS run 11.)
     """
     launch_next(PDL)
-    if not EARLY:
-        wait_prior(PDL)
+    wait_prior(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -101,13 +99,6 @@ def decode_split_kernel(
     heads = hk * G + offs_g
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
-    first = start  # the first tile the loop loads
-    if EARLY:
-        n0 = start + offs_n
-        nmask0 = _tile_mask(n0, end, lo, hi, P, HAS_SPAN)
-        k0, v0 = _load_tile(k_base, v_base, n0, nmask0, sk_s, sv_s, offs_d, dmask)
-        first = start + BLOCK_N
-        wait_prior(PDL)
     q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
     q = (q * scale).to(tl.float32)  # scale may arrive as fp64 from torch.compile
@@ -127,9 +118,7 @@ def decode_split_kernel(
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    if EARLY:
-        m, l, acc = _attend_tile(k0, v0, nmask0, qt, m, l, acc, True, MHA)  # (guarded: it may be empty)
-    for n_start in range(first, end, BLOCK_N):
+    for n_start in range(start, end, BLOCK_N):
         n = n_start + offs_n
         nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
         k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)

@@ -13,9 +13,6 @@ BLOCK_N = 128
 SMALL_BLOCK_N = 64
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
 SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
-#: With programmatic dependent launch, each split loads its first tile before waiting for the previous
-#: kernel (``EARLY`` in ``_decode.py``). Not yet timed: off (``arsparse bench --variant split_early=1``).
-EARLY_LOADS = False
 
 
 def _sms(device: torch.device) -> int:
@@ -143,7 +140,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        EARLY=EARLY_LOADS, **pdl_args(q.device), **SPLIT_LAUNCH,
+        **pdl_args(q.device), **SPLIT_LAUNCH,
     )
     if not direct:
         combine_kernel[(B, H)](

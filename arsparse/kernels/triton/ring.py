@@ -12,9 +12,10 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: runs 6-8): rows of one query head per program, K/V tiles kept in the cache's dtype until the
 #: products (``late_cast``), programs of one row launched together (``heads_first``; no faster, run 8),
 #: with programmatic dependent launch the gathers issued before waiting for the previous kernel
-#: (``early_loads``; not yet timed: off), launch options. (Prefetching the reads of the program N places
-#: later into the L2 was 0.37-0.41 ms slower per step at batch 256, run 9, and was removed.)
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=False, num_warps=1)
+#: (``early_loads``; batch 1, 576 tokens: diagonal 1.089 -> 1.042 ms per step, run 11), launch
+#: options. (Prefetching the reads of the program N places later into the L2 was 0.37-0.41 ms slower
+#: per step at batch 256, run 9, and was removed.)
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, num_warps=1)
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
