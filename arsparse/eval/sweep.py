@@ -36,7 +36,8 @@ __all__ = ["DEFAULT_RHOS", "SWEEP_METRICS", "check_rhos", "parse_rhos", "crossin
 #: The default budgets (kept / dense) of ``arsparse eval --sweep-rho``.
 DEFAULT_RHOS = (0.06, 0.09, 0.12, 0.18, 0.25, 0.35, 0.5)
 #: Metrics a sweep finds crossings for (lower is better for each), with their labels.
-SWEEP_METRICS = {"nll_bits_per_token": "NLL", "fd_classifier": "FD classifier", "fd_mobilenet": "FD MobileNetV2"}
+SWEEP_METRICS = {"nll_bits_per_token": "NLL", "fd_classifier": "FD classifier", "fd_mobilenet": "FD MobileNetV2",
+                 "fid": "FID"}
 _RHO_HELP = "rho is kept / dense KV entries, a number in (0, 1]"
 
 
@@ -109,7 +110,7 @@ def _derived(pol, layout) -> dict:
 
 
 def rel_key(metric: str) -> str:
-    """The row key of a metric's cost relative to dense: ``rel_to_dense`` for the NLL, ``fd_*_rel_to_dense``."""
+    """The row key of a metric's cost relative to dense: ``rel_to_dense`` for the NLL, ``<metric>_rel_to_dense``."""
     return "rel_to_dense" if metric == "nll_bits_per_token" else f"{metric}_rel_to_dense"
 
 
@@ -123,13 +124,13 @@ def _rel(x, ref):
 def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RHOS, heldout: HeldOut | None = None,
           classifier=None, mobilenet=None, frechet: bool = False, tolerance: float = 0.02, out_dir=None,
           model_name: str = "", notes: list[str] | None = None, progress: bool = True, command: str | None = None,
-          mobilenet_off: bool = False) -> dict:
+          mobilenet_off: bool = False, inception=None) -> dict:
     """Every policy of ``config.policies`` at every budget of ``rhos``; returns the result (also written to ``out_dir``).
 
     ``config`` supplies the policies (dense is the reference and is not swept), their other
     parameters (``policy_args``; a ``rho`` there is refused), the teacher-forcing images
     (``nll_images``, ``nll_batch``) and, with ``frechet``, the generation settings. ``heldout``,
-    ``classifier``, ``mobilenet`` as in :func:`~arsparse.eval.evaluate.evaluate`. A (policy, budget)
+    ``classifier``, ``mobilenet``, ``inception`` as in :func:`~arsparse.eval.evaluate.evaluate`. A (policy, budget)
     that the policy cannot take (e.g. too small for one image row) is a row with an ``error``.
     """
     from .. import policies as P
@@ -148,7 +149,7 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
     mcfg, layout = gpt.config, gpt.layout
     t_start = time.time()
     bench = prepare_bench(gpt, tokenizer, cfg, heldout, classifier, mobilenet, notes, progress, mobilenet_off,
-                          features=frechet)
+                          features=frechet, inception=inception)
     dense_n = dense_entries(layout)
 
     # -- every (policy, budget) -------------------------------------------------------------
