@@ -67,6 +67,38 @@ def test_frechet_rank_deficient_stays_real_and_finite():
         frechet_distance(np.zeros(3), np.eye(3), np.zeros(4), np.eye(4))
 
 
+def test_frechet_reference_and_paired_bootstrap():
+    """FrechetReference (its square root once) == scipy; bootstrap resamples take the rows the seed
+    fixes (the same for paired sets), and the interval is the percentiles of the paired gaps."""
+    from arsparse.eval.frechet import FrechetReference, bootstrap_distances, delta_interval
+
+    rng = np.random.default_rng(fresh_seed())
+    ref_x, a = rng.normal(size=(90, 6)), rng.normal(size=(40, 6)) * 1.3 + 0.2
+    ref = FrechetReference.of(ref_x)
+    assert ref.distance_of(a) == pytest.approx(scipy_frechet(*feature_stats(a), *feature_stats(ref_x)), rel=1e-6)
+    got = bootstrap_distances(a, ref, 7, seed=11)
+    idx = np.random.default_rng(11)
+    want = [scipy_frechet(*feature_stats(a[idx.integers(0, 40, 40)]), *feature_stats(ref_x)) for _ in range(7)]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert delta_interval(got, got) == (0.0, 0.0)
+    far = bootstrap_distances(a + 3.0, ref, 7, seed=11)  # (the same rows, all shifted away from the reference)
+    lo, hi = delta_interval(far, got)
+    gaps = 100 * (far - got) / got
+    assert (lo, hi) == pytest.approx(tuple(np.percentile(gaps, [2.5, 97.5]))) and 0 < lo <= hi
+    with pytest.raises(ValueError, match="paired 1-D distances"):
+        delta_interval(got, got[:3])
+    with pytest.raises(ValueError, match="shapes do not match"):
+        ref.distance_of(a[:, :5])
+
+
+def test_fd_bootstrap_setting_is_checked(capsys):
+    for bad in (1, -2, True, 2.5):
+        with pytest.raises(ValueError, match="fd_bootstrap is a number of resamples"):
+            EvalConfig(fd_bootstrap=bad)
+    assert eval_main(["--sweep-rho", "0.2", "--fd-bootstrap", "50", "--quiet"]) == 2
+    assert "--fd-bootstrap applies to the eval, not to --sweep-rho" in capsys.readouterr().err
+
+
 # ---- teacher-forced metrics --------------------------------------------------------------------
 def test_dense_nll_is_cross_entropy_and_kl_zero():
     seed = fresh_seed()
@@ -228,7 +260,7 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
     cfg = EvalConfig(policies=names, policy_args=TINY_ARGS, match_budget=True, num_samples=14, nll_images=6,
                      batch_size=7, nll_batch=4, ref_images=30, grid_images=14, cfg_scale=2.0,
-                     seed=seed % 10_000)
+                     seed=seed % 10_000, fd_bootstrap=20)
     mob_path = find_mobilenet_weights()
     mob = MobileNetFeatures(load_mobilenet(), 32) if mob_path is not None else None
     res = evaluate(gpt, tok, cfg, heldout=heldout, classifier=load_classifier(), mobilenet=mob, out_dir=tmp_path,
@@ -241,7 +273,10 @@ def test_evaluate_end_to_end_tiny(tmp_path):
         assert r["fd_classifier"] >= 0 and 0 <= r["class_accuracy"] <= 1
         assert r["nll_bits_per_token"] > 0 and 0 <= r["top1_agreement"] <= 1 and r["kl_to_dense"] >= 0
         assert (r["fd_mobilenet"] is None) == (mob is None)
+        ci = r["fd_classifier_delta_ci"]  # (--fd-bootstrap: an interval of the gap to dense, none for dense)
+        assert ci is None if r["policy"] == "dense" else ci[0] <= ci[1]
     assert any(r["kl_to_dense"] > 1e-3 for r in saved["rows"][1:])
+    assert "bootstrap resamples" in (tmp_path / "eval.md").read_text()
     assert saved["fd_floor"]["classifier"] is not None
     # Same seeds and classes: a rerun of dense alone gives the same images (same grid pixels).
     res2 = evaluate(gpt, tok, EvalConfig(policies=["dense"], num_samples=14, nll_images=0, batch_size=14,

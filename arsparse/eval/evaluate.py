@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .forcing import forced_logits
-from .frechet import feature_stats, frechet_distance
+from .frechet import FrechetReference, bootstrap_distances, delta_interval
 
 __all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget", "prepare_bench", "sampled_quality",
            "evaluate", "teacher_forced_metrics", "write_report",
@@ -64,6 +64,8 @@ class EvalConfig:
     ``cfg_scale``: guidance (the command line defaults to the bundle's). ``batch_size``: images per generation
     call; ``nll_batch``: images per teacher-forced call. ``ref_images``: held-out images in the
     Fréchet reference (capped by the data). ``grid_images``: images in each grid.
+    ``fd_bootstrap``: resamples of the generated images for a 95 % interval of each Fréchet distance's
+    gap to dense (paired by seed; 0: none).
     """
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -84,6 +86,7 @@ class EvalConfig:
     dtype: str | None = None
     cuda_graphs: bool | None = None
     compile: bool = False
+    fd_bootstrap: int = 0
 
     def __post_init__(self):
         self.policies = tuple(self.policies)
@@ -91,6 +94,9 @@ class EvalConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("nll_images", "grid_images") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.fd_bootstrap, bool) or not isinstance(self.fd_bootstrap, int) or self.fd_bootstrap < 0 \
+                or self.fd_bootstrap == 1:
+            raise ValueError(f"fd_bootstrap is a number of resamples, 0 (none) or at least 2, got {self.fd_bootstrap!r}")
         if self.num_samples < 2:
             raise ValueError("num_samples must be >= 2 (a Fréchet distance needs a covariance)")
         if len(set(self.policies)) != len(self.policies):
@@ -343,8 +349,8 @@ class Bench:
     """What every policy is measured against, built once per run by :func:`prepare_bench`.
 
     ``base``: a dense :class:`~arsparse.engine.generator.Generator` (sets the device and dtype);
-    ``nll_cond``/``nll_tokens``: the teacher-forcing images; ``ref_stats``: Fréchet reference
-    statistics per feature space; ``floor``: the Fréchet floor per feature space; ``classes``/``seeds``:
+    ``nll_cond``/``nll_tokens``: the teacher-forcing images; ``refs``: the Fréchet reference
+    (:class:`~arsparse.eval.frechet.FrechetReference`) per feature space; ``floor``: the Fréchet floor per feature space; ``classes``/``seeds``:
     the generation conditions, the same for every policy; the notes describe the data.
     """
 
@@ -352,7 +358,7 @@ class Bench:
     feats: _Features
     nll_cond: torch.Tensor
     nll_tokens: torch.Tensor
-    ref_stats: dict
+    refs: dict
     floor: dict
     classes: torch.Tensor
     seeds: list[int]
@@ -405,7 +411,7 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
                 fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
                 for k in FRECHET:
                     if k in fl:
-                        floor[k] = frechet_distance(*feature_stats(fl[k]), *feature_stats(ref_feats[k]))
+                        floor[k] = FrechetReference.of(ref_feats[k]).distance_of(fl[k])
     else:
         n_ref = max(cfg.num_samples if features else 0, cfg.nll_images)
         ref_classes = torch.arange(n_ref) % mcfg.num_classes
@@ -417,8 +423,8 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
         if features:
             ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
         notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
-    ref_stats = {k: feature_stats(v) for k, v in ref_feats.items() if k in FRECHET}
-    return Bench(base, feats, nll_cond, nll_tokens, ref_stats, floor, classes, seeds, data_note, ref_note, floor_images)
+    refs = {k: FrechetReference.of(v) for k, v in ref_feats.items() if k in FRECHET}
+    return Bench(base, feats, nll_cond, nll_tokens, refs, floor, classes, seeds, data_note, ref_note, floor_images)
 
 
 def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc: str, progress: bool,
@@ -426,7 +432,9 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
     """Generate the bench's images under ``policy`` (None = dense) -> (metrics, the first ``grid_images`` images).
 
     Metrics: ``fd_classifier``, ``fd_mobilenet``, ``fid`` (None where that feature space is missing),
-    ``class_accuracy`` (None without a classifier), ``generate_s``.
+    ``class_accuracy`` (None without a classifier), ``generate_s``; with ``cfg.fd_bootstrap``, also
+    ``fd_bootstrap``: each of those metrics' distances over the resamples (:func:`bootstrap_distances`,
+    the same resampled rows for every policy).
     """
     from ..engine.generator import Generator
 
@@ -445,8 +453,11 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
     f = _cat(parts)
     out = {**dict.fromkeys(FRECHET.values()), "class_accuracy": None, "generate_s": round(gen_s, 2)}
     for k, metric in FRECHET.items():
-        if k in f and k in bench.ref_stats:
-            out[metric] = frechet_distance(*feature_stats(f[k]), *bench.ref_stats[k])
+        if k in f and k in bench.refs:
+            out[metric] = bench.refs[k].distance_of(f[k])
+            if cfg.fd_bootstrap:
+                out.setdefault("fd_bootstrap", {})[metric] = bootstrap_distances(f[k], bench.refs[k], cfg.fd_bootstrap,
+                                                                                 seed=cfg.seed)
     if "pred" in f:
         out["class_accuracy"] = float((f["pred"] == bench.classes.numpy()).mean())
     return out, (torch.cat(grid) if grid else None)
@@ -525,9 +536,11 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    boot = {}  # policy -> metric -> bootstrap distances
     for name, pol in prepared.items():
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
                                   progress, cfg.grid_images)
+        boot[name] = q.pop("fd_bootstrap", {})
         b = budgets[name]
         row = dict(policy=name, params=pol.params(), source=type(pol).source,
                    budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
@@ -541,6 +554,9 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
             row["grid"] = gpath.name
         for m in METRICS:  # dense runs first
             row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
+        for m in FRECHET.values():  # (a 95 % interval of the gap, with --fd-bootstrap)
+            ok = name != "dense" and m in boot[name] and m in boot["dense"]
+            row[f"{m}_delta_ci"] = [round(v, 2) for v in delta_interval(boot[name][m], boot["dense"][m])] if ok else None
         rows.append(row)
         result["rows"], result["wall_s"] = rows, round(time.time() - t_start, 1)
         result["complete"] = len(rows) == len(prepared)
@@ -550,13 +566,18 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
 
 
 # ---------------------------------------------------------------------------------------------
-def _fmt(v, spec=".3f", pct=None):
+def _fmt(v, spec=".3f", pct=None, ci=None):
     if v is None:
         return "—"
     s = format(v, spec)
     if pct is not None:
-        s += f" ({pct:+.1f}%)"
+        s += f" ({pct:+.1f}%" + (f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "") + ")"
     return s
+
+
+def _fd_cell(r: dict, metric: str) -> str:
+    dense = r["policy"] == "dense"
+    return _fmt(r.get(metric), ".4g", None if dense else r.get(f"{metric}_delta_pct"), r.get(f"{metric}_delta_ci"))
 
 
 def markdown_table(result: dict) -> str:
@@ -571,9 +592,7 @@ def markdown_table(result: dict) -> str:
             f"| `{r['policy']}` | {b['read']:.0f} | {b['kept']} | {b['rho']:.3f} "
             f"| {_fmt(r['nll_bits_per_token'], '.4f', r['nll_bits_per_token_delta_pct'] if r['policy'] != 'dense' else None)} "
             f"| {_fmt(r['kl_to_dense'], '.4f')} | {_fmt(r['top1_agreement'], '.3f')} "
-            f"| {_fmt(r['fd_classifier'], '.4g', r['fd_classifier_delta_pct'] if r['policy'] != 'dense' else None)} "
-            f"| {_fmt(r['fd_mobilenet'], '.4g', r['fd_mobilenet_delta_pct'] if r['policy'] != 'dense' else None)} "
-            f"| {_fmt(r.get('fid'), '.4g', r.get('fid_delta_pct') if r['policy'] != 'dense' else None)} "
+            f"| {_fd_cell(r, 'fd_classifier')} | {_fd_cell(r, 'fd_mobilenet')} | {_fd_cell(r, 'fid')} "
             f"| {_fmt(r['class_accuracy'], '.3f')} | {grid} |")
     return "\n".join(lines)
 
@@ -603,6 +622,9 @@ def write_report(result: dict, out_dir) -> None:
         m = result["budget_matched_to"]
         lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "
                      f"= {m['rho']:.4f}")
+    if c.get("fd_bootstrap"):
+        lines.append(f"- Fréchet gaps in brackets: 95 % interval over {c['fd_bootstrap']} bootstrap resamples of the "
+                     "generated images, the same rows for dense and the policy (paired by seed; reference fixed)")
     lines += [f"- note: {n}" for n in result["notes"]]
     if not result.get("complete", True):
         lines.append("- **partial**: the run stopped before every policy was measured")

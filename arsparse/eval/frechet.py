@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["feature_stats", "frechet_distance", "frechet_from_features"]
+__all__ = ["FrechetReference", "bootstrap_distances", "delta_interval", "feature_stats", "frechet_distance",
+           "frechet_from_features"]
 
 
 def feature_stats(features) -> tuple[np.ndarray, np.ndarray]:
@@ -31,17 +32,64 @@ def _psd_sqrt(s: np.ndarray) -> np.ndarray:
 
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """Fréchet distance (squared, as FID reports it) between N(mu1, sigma1) and N(mu2, sigma2)."""
-    mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
-    s1, s2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
-    if mu1.shape != mu2.shape or s1.shape != s2.shape or s1.shape != (mu1.size, mu1.size):
-        raise ValueError(f"shapes do not match: mu {mu1.shape} / {mu2.shape}, sigma {s1.shape} / {s2.shape}")
-    a = _psd_sqrt(s1)
-    m = a @ s2 @ a
-    tr_sqrt = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
-    diff = mu1 - mu2
-    return float(diff @ diff + np.trace(s1) + np.trace(s2) - 2.0 * tr_sqrt)
+    mu1, s1 = np.asarray(mu1, np.float64), np.atleast_2d(np.asarray(sigma1, np.float64))
+    if s1.shape != (mu1.size, mu1.size):
+        raise ValueError(f"shapes do not match: mu {mu1.shape}, sigma {s1.shape}")
+    return FrechetReference(mu1, s1).distance(mu2, sigma2)
 
 
 def frechet_from_features(a, b) -> float:
     """Fréchet distance between the Gaussians fitted to feature sets ``a`` (n, d) and ``b`` (m, d)."""
     return frechet_distance(*feature_stats(a), *feature_stats(b))
+
+
+class FrechetReference:
+    """A fixed reference Gaussian (mu, sigma) whose square root is computed once, for many distances to it
+    (every policy, every bootstrap resample)."""
+
+    def __init__(self, mu, sigma):
+        self.mu = np.asarray(mu, np.float64)
+        self.sigma = np.atleast_2d(np.asarray(sigma, np.float64))
+        self._sqrt = _psd_sqrt(self.sigma)
+        self._trace = float(np.trace(self.sigma))
+
+    @classmethod
+    def of(cls, features) -> "FrechetReference":
+        return cls(*feature_stats(features))
+
+    def distance(self, mu, sigma) -> float:
+        """The Fréchet distance of N(mu, sigma) to the reference (as :func:`frechet_distance`)."""
+        mu, s = np.asarray(mu, np.float64), np.atleast_2d(np.asarray(sigma, np.float64))
+        if mu.shape != self.mu.shape or s.shape != self.sigma.shape:
+            raise ValueError(f"shapes do not match: mu {mu.shape} / {self.mu.shape}, "
+                             f"sigma {s.shape} / {self.sigma.shape}")
+        m = self._sqrt @ s @ self._sqrt
+        tr_sqrt = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
+        diff = mu - self.mu
+        return float(diff @ diff + np.trace(s) + self._trace - 2.0 * tr_sqrt)
+
+    def distance_of(self, features) -> float:
+        return self.distance(*feature_stats(features))
+
+
+def bootstrap_distances(features, ref: FrechetReference, resamples: int, seed: int = 0) -> np.ndarray:
+    """Fréchet distances to ``ref`` of ``resamples`` bootstrap resamples of the rows of ``features`` (n, d).
+
+    The resampled row indices depend on ``seed`` and n only, so feature sets that are paired row by
+    row (image i of each drawn with the same seed and condition) resampled with the same seed take
+    the same rows: their distances can be compared resample by resample (:func:`delta_interval`).
+    """
+    x = np.asarray(features, np.float64)
+    if x.ndim != 2 or len(x) < 2 or resamples < 2:
+        raise ValueError(f"need (n >= 2, d) features and resamples >= 2, got {x.shape} and {resamples}")
+    rng = np.random.default_rng(seed)
+    return np.array([ref.distance_of(x[rng.integers(0, len(x), len(x))]) for _ in range(resamples)])
+
+
+def delta_interval(distances, base_distances, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the relative gap 100 (d - base) / base over paired bootstrap distances."""
+    d, base = np.asarray(distances, np.float64), np.asarray(base_distances, np.float64)
+    if d.shape != base.shape or d.ndim != 1 or not 0 < level < 1:
+        raise ValueError(f"need paired 1-D distances and a level in (0, 1), got {d.shape}, {base.shape}, {level}")
+    lo, hi = np.percentile(100.0 * (d - base) / np.abs(base), [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
