@@ -307,6 +307,11 @@ class _Features:
         return out
 
 
+def _references(features: dict) -> dict:
+    """Feature space -> the Fréchet reference of these (real or dense) images' features."""
+    return {k: FrechetReference.of(v) for k, v in features.items() if k in FRECHET}
+
+
 def _cat(parts: list[dict]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in (parts[0] if parts else {})}
 
@@ -350,8 +355,9 @@ class Bench:
 
     ``base``: a dense :class:`~arsparse.engine.generator.Generator` (sets the device and dtype);
     ``nll_cond``/``nll_tokens``: the teacher-forcing images; ``refs``: the Fréchet reference
-    (:class:`~arsparse.eval.frechet.FrechetReference`) per feature space; ``floor``: the Fréchet floor per feature space; ``classes``/``seeds``:
-    the generation conditions, the same for every policy; the notes describe the data.
+    (:class:`~arsparse.eval.frechet.FrechetReference`) per feature space; ``floor``: the Fréchet
+    floor per feature space; ``classes``/``seeds``: the generation conditions, the same for every
+    policy; the notes describe the data.
     """
 
     base: Any
@@ -398,20 +404,18 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
                      "pytorch-fid's pt_inception-2015-12-05 weights)")
     classes = torch.arange(cfg.num_samples) % mcfg.num_classes
     seeds = [cfg.seed + i for i in range(cfg.num_samples)]
-    floor, ref_feats, floor_images = {}, {}, 0
+    floor, refs, floor_images = {}, {}, 0
     if heldout is not None:
         data_note = f"real held-out images: {heldout.description}"
         nll_cond, nll_tokens = heldout.cond[: cfg.nll_images], heldout.tokens[: cfg.nll_images]
         ref_tokens = heldout.tokens[: cfg.ref_images]
         ref_note = f"{len(ref_tokens)} real held-out images ({heldout.description}), through the tokenizer"
         if features:
-            ref_feats = _token_features(base, feats, ref_tokens, 500, "reference features", progress)
+            refs = _references(_token_features(base, feats, ref_tokens, 500, "reference features", progress))
             if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
                 floor_images = len(heldout.floor_tokens)
                 fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
-                for k in FRECHET:
-                    if k in fl:
-                        floor[k] = FrechetReference.of(ref_feats[k]).distance_of(fl[k])
+                floor = {k: ref.distance_of(fl[k]) for k, ref in refs.items()}
     else:
         n_ref = max(cfg.num_samples if features else 0, cfg.nll_images)
         ref_classes = torch.arange(n_ref) % mcfg.num_classes
@@ -421,9 +425,8 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
         nll_cond, nll_tokens = ref_classes[: cfg.nll_images], ref_tok[: cfg.nll_images]
         ref_note = f"{n_ref} dense samples with other seeds (this model has no held-out data set)"
         if features:
-            ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
+            refs = _references(_token_features(base, feats, ref_tok, 500, "reference features", progress))
         notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
-    refs = {k: FrechetReference.of(v) for k, v in ref_feats.items() if k in FRECHET}
     return Bench(base, feats, nll_cond, nll_tokens, refs, floor, classes, seeds, data_note, ref_note, floor_images)
 
 
