@@ -37,7 +37,9 @@
 # features took 18 s per policy on 2 CPU cores), LIMIT (560), SWEEP_S (300), STAGES (check,sweep,eval: e.g.
 # STAGES=sweep SWEEP_S=500 gives a call to the
 # sweep alone), DTYPE (fp32), POLICIES, PYTHON (python3), OUT, EVAL_ARGS (more flags for
-# both runs; a CPU smoke test of this script: EVAL_ARGS="--device cpu --ref-images 200" SAMPLES=4 ...).
+# both runs; a CPU smoke test of this script: EVAL_ARGS="--device cpu --ref-images 200" SAMPLES=4 ...),
+# SWEEP_ARGS (more flags for the sweep alone: e.g. "--sweep-frechet --num-samples 1000" for the Fréchet
+# distances at every budget, a generation each).
 set -uo pipefail
 root=$(cd "$(dirname "$0")" && pwd)
 while [ ! -f "$root/pyproject.toml" ] && [ "$root" != / ]; do root=$(dirname "$root"); done
@@ -118,7 +120,7 @@ common=(--model "$MODEL" --policies "$POLICIES" --nll-images "$NLL_IMAGES" --nll
 if want sweep; then
     t=$(left); t=$(( t - 60 < SWEEP_S ? t - 60 : SWEEP_S )); t=$(( t > 30 ? t : 30 ))
     want eval || t=$(( $(left) - 15 < SWEEP_S ? $(left) - 15 : SWEEP_S ))
-    stage sweep "$t" "$PY" -m arsparse.cli eval "${common[@]}" --sweep-rho "$RHOS" --out "$WORK/sweep"
+    stage sweep "$t" "$PY" -m arsparse.cli eval "${common[@]}" --sweep-rho "$RHOS" ${SWEEP_ARGS:-} --out "$WORK/sweep"
     pack
 fi
 if want eval; then
