@@ -431,11 +431,11 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
 
 
 def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc: str, progress: bool,
-                    grid_images: int = 0) -> tuple[dict, torch.Tensor | None]:
+                    grid_images: int = 0, bootstrap: int = 0) -> tuple[dict, torch.Tensor | None]:
     """Generate the bench's images under ``policy`` (None = dense) -> (metrics, the first ``grid_images`` images).
 
     Metrics: ``fd_classifier``, ``fd_mobilenet``, ``fid`` (None where that feature space is missing),
-    ``class_accuracy`` (None without a classifier), ``generate_s``; with ``cfg.fd_bootstrap``, also
+    ``class_accuracy`` (None without a classifier), ``generate_s``; with ``bootstrap`` resamples, also
     ``fd_bootstrap``: each of those metrics' distances over the resamples (:func:`bootstrap_distances`,
     the same resampled rows for every policy).
     """
@@ -458,8 +458,8 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
     for k, metric in FRECHET.items():
         if k in f and k in bench.refs:
             out[metric] = bench.refs[k].distance_of(f[k])
-            if cfg.fd_bootstrap:
-                out.setdefault("fd_bootstrap", {})[metric] = bootstrap_distances(f[k], bench.refs[k], cfg.fd_bootstrap,
+            if bootstrap:
+                out.setdefault("fd_bootstrap", {})[metric] = bootstrap_distances(f[k], bench.refs[k], bootstrap,
                                                                                  seed=cfg.seed)
     if "pred" in f:
         out["class_accuracy"] = float((f["pred"] == bench.classes.numpy()).mean())
@@ -542,7 +542,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     boot = {}  # policy -> metric -> bootstrap distances
     for name, pol in prepared.items():
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
-                                  progress, cfg.grid_images)
+                                  progress, cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
         b = budgets[name]
         row = dict(policy=name, params=pol.params(), source=type(pol).source,

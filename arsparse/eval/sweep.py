@@ -199,7 +199,6 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
             if frechet:
                 q, _ = sampled_quality(gpt, tokenizer, bench, cfg, group[key] if key != "dense" else None,
                                        f"generate {key}", progress)
-                q.pop("fd_bootstrap", None)  # (intervals are the eval's, not the sweep's)
                 runs[key][1].update(q)
         _summarize(result, done=i + 1 == len(groups))
         result["wall_s"] = round(time.time() - t_start, 1)
