@@ -1,5 +1,7 @@
 """Fine-tuning (init_from) and sparse-aware training (sparse_policy): the loss, the held-out numbers, bad input."""
+import copy
 import math
+import re
 
 import pytest
 import torch
@@ -127,3 +129,127 @@ def test_eval_takes_other_weights_for_a_bundle_and_refuses_ones_that_do_not_fit(
     save_safetensors(other.state_dict(), tmp_path / "other.safetensors", metadata=config_metadata(other.config))
     assert main(args + ["--gpt-ckpt", str(tmp_path / "other.safetensors")]) == 2
     assert "does not fit random-small's tokenizer and data: vocab_size 12" in capsys.readouterr().err
+
+
+# ---- on-policy distillation (sparse_loss="distill") -------------------------------------------------
+
+def _start_weights(cfg, path, seed=0):
+    """Weights far from init_weights' draws, saved at ``path`` (the run's init_from: the dense teacher)."""
+    start = GPT(cfg.gpt_config())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    torch.save(start.state_dict(), path)
+    return start.eval()
+
+
+def _kl_ref(teacher, student, y, x, policy) -> float:
+    """KL(dense teacher || student under the policy) per token, through torch.distributions, over the rows
+    with their class and with the null class."""
+    yy, xx = torch.cat([y, torch.full_like(y, 10)]), torch.cat([x, x])
+    p = torch.distributions.Categorical(logits=teacher.logits(yy, xx).double())
+    q = torch.distributions.Categorical(logits=student.logits(yy, xx, policy=policy).double())
+    return float(torch.distributions.kl_divergence(p, q).mean())
+
+
+def test_forward_kl_matches_torch_distributions_and_trains_the_student_only():
+    from arsparse.training.distill import forward_kl
+
+    t = torch.randn(3, 5, 17, requires_grad=True)
+    s = torch.randn(3, 5, 17, requires_grad=True)
+    with torch.no_grad():
+        want = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=t.double()),
+                                                 torch.distributions.Categorical(logits=s.double())).mean()
+    got = forward_kl(t, s)
+    assert float(got.detach()) == pytest.approx(float(want), rel=1e-5)
+    got.backward()
+    assert t.grad is None and s.grad is not None and s.grad.abs().sum() > 0
+    assert float(forward_kl(s, s).detach()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_distillation_pool_is_sampled_under_the_policy_from_the_current_weights(tmp_path):
+    """Pool r == the Generator's samples (decode path, the policy's cache, guidance) of the weights at its
+    refresh, with the pool's classes and keys; a new pool follows the weights as they change."""
+    from arsparse.engine.generator import Generator
+    from arsparse.training.distill import OnPolicyDistiller
+
+    cfg = _cfg(tmp_path / "run", sparse_policy=SPEC, sparse_loss="distill", init_from=str(tmp_path / "w.pt"),
+               distill_pool=16)
+    model = _start_weights(cfg, tmp_path / "w.pt", seed=3).train()
+    d = OnPolicyDistiller(model, torch.load(tmp_path / "w.pt"), SPEC, 16, 8, 2.0, torch.device("cpu"), seed=5)
+
+    def sampled(weights, r, policy=SPEC):
+        labels, keys = d.request(r)
+        gen = Generator(copy.deepcopy(weights), device="cpu", dtype="fp32", policy=policy)
+        return gen.sample_tokens(labels, cfg_scale=2.0, seed=keys), labels
+
+    want, labels = sampled(model, 0)
+    for step in (0, 1):  # two training steps per pool of 16
+        x, y = d.batch_at(model, step)
+        assert torch.equal(x, want[8 * step:8 * step + 8]) and torch.equal(y, labels[8 * step:8 * step + 8])
+    assert not torch.equal(want, sampled(model, 0, policy=None)[0])  # (dense samples differ: the policy matters)
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(-1.0)  # what training would do to the weights, grossly
+    assert torch.equal(d.batch_at(model, 2)[0], sampled(model, 1)[0][:8])
+    assert len(set(d.request(1)[1]) & set(d.request(0)[1])) == 0  # each pool its own keys
+
+
+def test_a_distillation_step_is_the_kl_to_the_dense_teacher_on_the_policys_samples(tmp_path):
+    """Step 0's logged loss == 0.6 x KL(dense init_from || student under the policy) on the pool's first
+    batch (torch.distributions) + 0.4 x dense cross-entropy on the data batch; its KL is logged too."""
+    from arsparse.training.distill import OnPolicyDistiller
+
+    tokens, labels = _data()
+    cfg = _cfg(tmp_path / "run", sparse_policy=SPEC, sparse_weight=0.6, sparse_loss="distill",
+               init_from=str(tmp_path / "w.pt"), distill_pool=8)
+    start = _start_weights(cfg, tmp_path / "w.pt")
+    xs, ys = OnPolicyDistiller(start, start.state_dict(), SPEC, 8, 8, 2.0, torch.device("cpu"), cfg.seed).batch_at(start, 0)
+    x, y = make_batch(cfg, 0, tokens, labels)
+    with torch.no_grad():
+        kl = _kl_ref(start, start, ys, xs, SPEC)
+        want = (0.6 * kl + 0.4 * _ce_bits(start, y, x) * math.log(2)) / math.log(2)
+    row = train_gpt(cfg, tokens, labels, resume=False).history["train"][0]
+    assert kl > 1e-3 and row["distill_kl_nats"] == pytest.approx(kl, rel=1e-4)
+    assert row["train_bpt"] == pytest.approx(want, rel=1e-4)
+
+
+def test_distillation_brings_the_policy_closer_to_the_dense_teacher(tmp_path):
+    """40 steps of distillation alone (sparse_weight 1): the KL from the dense teacher to the trained weights
+    under the policy, on sequences those weights sample, falls well below where it started."""
+    from arsparse.checkpoint import read_state_dict
+    from arsparse.training.distill import OnPolicyDistiller
+
+    tokens, labels = _data()
+    cfg = _cfg(tmp_path / "run", steps=40, sparse_policy=SPEC, sparse_weight=1.0, sparse_loss="distill",
+               init_from=str(tmp_path / "w.pt"), distill_pool=8, lr=3e-3)
+    start = _start_weights(cfg, tmp_path / "w.pt", seed=1)
+    tuned = GPT(cfg.gpt_config())
+    tuned.load_state_dict(read_state_dict(train_gpt(cfg, tokens, labels, resume=False).model_path))
+    tuned.eval()
+
+    def kl_of(student):  # on 32 fresh samples of the student under the policy
+        xs, ys = OnPolicyDistiller(student, start.state_dict(), SPEC, 32, 32, 2.0, torch.device("cpu"),
+                                   seed=9).batch_at(student, 0)
+        with torch.no_grad():
+            return _kl_ref(start, student, ys, xs, SPEC)
+
+    before, after = kl_of(start), kl_of(tuned)
+    assert after < 0.8 * before, (before, after)  # (0.125 -> 0.076 nats on the CPU)
+
+
+def test_bad_distillation_settings_are_clear_errors(tmp_path, capsys):
+    for kw, msg in ((dict(sparse_loss="kl"), "sparse_loss must be one of data, distill"),
+                    (dict(sparse_loss="distill", sparse_policy=SPEC), "needs sparse_policy (what the student reads) "
+                                                                        "and init_from"),
+                    (dict(sparse_loss="distill", sparse_policy=SPEC, init_from="w.pt", distill_pool=4),
+                     "distill_pool must be an int >= batch_size (8)"),
+                    (dict(sparse_loss="distill", sparse_policy=SPEC, init_from="w.pt", distill_cfg_scale=0.5),
+                     "distill_cfg_scale must be >= 1")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            _cfg(tmp_path, **kw)
+    from arsparse.cli import main
+
+    assert main(["train", "model", "--dataset", "fashion", "--out", str(tmp_path / "x"), "--sparse-policy", "diagonal",
+                 "--sparse-loss", "distill"]) != 0
+    assert "init_from" in capsys.readouterr().err

@@ -80,6 +80,15 @@ def _vq_path(ds, given: str | None) -> Path:
     return Path("out") / ds.tokenizer_recipe / f"{r['name']}.safetensors"
 
 
+def _distill_cfg(args, recipe: str) -> float | None:
+    """``--distill-cfg``, else the guidance the model of this recipe ships with (None: the config's default)."""
+    if args.distill_cfg is not None:
+        return args.distill_cfg
+    from ..bundles import BUNDLES
+
+    return BUNDLES[recipe].cfg_scale if recipe in BUNDLES else None
+
+
 def cmd_train_model(args) -> int:
     from ..loading import load_vq
     from ..tokenizers import vq_file_config
@@ -114,7 +123,8 @@ def cmd_train_model(args) -> int:
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
         progress=not args.quiet, init_from=args.init_from, sparse_policy=args.sparse_policy,
-        sparse_weight=args.sparse_weight, **_dropouts(args), **grid,
+        sparse_weight=args.sparse_weight, sparse_loss=args.sparse_loss, distill_pool=args.distill_pool,
+        distill_cfg_scale=_distill_cfg(args, ds.recipe), **_dropouts(args), **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
@@ -262,6 +272,14 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                         "so that it loses less against dense")
     g.add_argument("--sparse-weight", type=_positive_float, metavar="W",
                    help="the sparse loss's share of the loss, in (0, 1] (default 0.5)")
+    g.add_argument("--sparse-loss", choices=("data", "distill"),
+                   help="the sparse share: cross-entropy on the data (default), or on-policy distillation: the KL "
+                        "from the dense --init-from weights on sequences the current weights sample under the policy")
+    g.add_argument("--distill-pool", type=positive_int, metavar="N",
+                   help="distill: sequences sampled per refresh of the pool (default 1024; >= the batch size)")
+    g.add_argument("--distill-cfg", type=_positive_float, metavar="SCALE",
+                   help="distill: the guidance the pool is sampled with (default: the shipped model's, e.g. 2 for "
+                        "fashion-c2i)")
     m.set_defaults(func=cmd_train_model)
 
     t = sub.add_parser(

@@ -25,6 +25,11 @@ the loss is ``(1 - sparse_weight)`` x the dense cross-entropy plus ``sparse_weig
 cross-entropy with attention restricted to an offset policy's read sets (the masks its ring cache
 reads at decode time), so the model learns to put what it needs where that policy reads. Held-out
 losses are then reported both ways and the best weights are those of the lowest weighted sum.
+With ``sparse_loss="distill"`` the sparse share is instead on-policy distillation: the KL divergence
+from the dense ``init_from`` weights to the policy's predictions on sequences the current weights
+sample under the policy (:mod:`arsparse.training.distill`); the dense share stays cross-entropy on the
+data. (Its pool is sampled afresh after a resume, so a resumed distillation run is not bit-identical
+to a straight one.)
 
 Regularisation: LlamaGen's dropouts (``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
 ``ffn_dropout_p``, ``drop_path_rate``; see :class:`~arsparse.models.config.GPTConfig`), drawn from
@@ -75,6 +80,7 @@ TRAIN_META = "arsparse.train"
 CKPT_FORMAT = "arsparse-train/1"
 LN2 = math.log(2.0)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SPARSE_LOSSES = ("data", "distill")
 
 
 def check_run_fields(cfg, bad) -> None:
@@ -192,6 +198,11 @@ class TrainConfig:
     init_from: str | None = None  #: weights of the same architecture to start from (fine-tuning)
     sparse_policy: str | None = None  #: an offset policy, e.g. "diagonal": sparse-aware training
     sparse_weight: float = 0.5  #: its share of the loss (with sparse_policy)
+    #: the sparse share's loss: "data" (cross-entropy on the training images) or "distill" (on-policy
+    #: distillation from the dense init_from weights: :mod:`arsparse.training.distill`)
+    sparse_loss: str = "data"
+    distill_pool: int = 1024  #: sequences sampled per refresh of the distillation pool
+    distill_cfg_scale: float = 2.0  #: the guidance the pool is sampled with
 
     def __post_init__(self):
         def bad(msg):
@@ -217,6 +228,17 @@ class TrainConfig:
                 sparse_policy(self.sparse_policy)
             except ValueError as exc:
                 bad(str(exc))
+        if self.sparse_loss not in SPARSE_LOSSES:
+            bad(f"sparse_loss must be one of {', '.join(SPARSE_LOSSES)}, got {self.sparse_loss!r}")
+        if self.sparse_loss == "distill":
+            if self.sparse_policy is None or self.init_from is None:
+                bad("sparse_loss 'distill' needs sparse_policy (what the student reads) and init_from (the dense "
+                    "teacher: the weights the run starts from)")
+            if isinstance(self.distill_pool, bool) or not isinstance(self.distill_pool, int) \
+                    or self.distill_pool < self.batch_size:
+                bad(f"distill_pool must be an int >= batch_size ({self.batch_size}), got {self.distill_pool!r}")
+            if not (isinstance(self.distill_cfg_scale, (int, float)) and self.distill_cfg_scale >= 1):
+                bad(f"distill_cfg_scale must be >= 1 (1: no guidance), got {self.distill_cfg_scale!r}")
         self.gpt_config()  # architecture errors surface now, not after the data is loaded
 
     def gpt_config(self) -> GPTConfig:
@@ -582,6 +604,12 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     if cfg.sparse_policy is not None:  # calibrated policy calibrates on the weights this call starts from)
         backend = sparse_policy(cfg.sparse_policy).prepare(model).attention_backend(
             model, gcfg.cls_token_num + cfg.image_tokens - 1, device)
+    distiller = None
+    if cfg.sparse_loss == "distill":  # (the teacher: the init_from weights, also when resuming)
+        from .distill import OnPolicyDistiller
+
+        distiller = OnPolicyDistiller(model, read_state_dict(cfg.init_from), cfg.sparse_policy, cfg.distill_pool,
+                                      cfg.batch_size, cfg.distill_cfg_scale, device, cfg.seed)
     out = Path(cfg.out_dir)
     best_path = out / BEST_NAME
 
@@ -607,15 +635,23 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     dev_labels = labels.to(device, torch.long)
     loss_fn = torch.compile(model.loss) if cfg.compile else model.loss
     window_loss = torch.zeros((), device=device)
+    window_kl = torch.zeros((), device=device)  # (distillation: the KL part alone)
 
     def train_step(step: int) -> None:
         x, y = make_batch(cfg, step, dev_tokens, dev_labels)  # (B, T), (B,)
+        if distiller is not None:
+            xs, ys = distiller.batch_at(model, step)  # sampled under the policy: (B, T), (B,)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if backend is None:
                 loss = loss_fn(y, x)
             else:
                 w = cfg.sparse_weight
-                loss = w * loss_fn(y, x, backend=backend)
+                if distiller is None:
+                    sparse = loss_fn(y, x, backend=backend)
+                else:
+                    sparse = distiller.loss(model, xs, ys, backend)
+                    window_kl.add_(sparse.detach().float())
+                loss = w * sparse
                 if w < 1:
                     loss = loss + (1 - w) * loss_fn(y, x)
         loop.update(loss)
@@ -624,7 +660,12 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
     def window(n: int) -> tuple[dict, dict, str]:
         bpt = float(window_loss) / n / LN2
         window_loss.zero_()
-        return {"train_bpt": bpt}, {"bpt": f"{bpt:.4f}"}, f"train {bpt:.4f} bits/token"
+        if distiller is None:
+            return {"train_bpt": bpt}, {"bpt": f"{bpt:.4f}"}, f"train {bpt:.4f} bits/token"
+        kl = float(window_kl) / n
+        window_kl.zero_()
+        return ({"train_bpt": bpt, "distill_kl_nats": kl}, {"kl": f"{kl:.4f}"},
+                f"train: loss {bpt:.4f} bits, KL(dense || {cfg.sparse_policy}) on its own samples {kl:.4f} nats/token")
 
     def run_eval() -> float:
         """The held-out loss the best weights are chosen by (sparse-aware: the training objective's mix)."""

@@ -8,7 +8,9 @@
 # The shipped weights came from `run fashion` (the defaults below) and `STEPS=500 WEIGHT=0.95 ... run
 # emoji` (at 0.8 the emoji gap stalled at +2.8 %), on an H200 on 2026-11-30 (BENCHMARKS.md).
 #
-# run: `arsparse train model --init-from <shipped GPT> --sparse-policy $POLICY --sparse-weight $WEIGHT`
+# run: `arsparse train model --init-from <shipped GPT> --sparse-policy $POLICY --sparse-weight $WEIGHT
+# --sparse-loss $LOSS` (data: cross-entropy on the images; distill: on-policy distillation from the
+# shipped weights, a pool of $POOL sequences sampled under the policy at a time)
 # for $STEPS steps (lr $LR), then `arsparse eval --gpt-ckpt <best weights>` with dense and the policy
 # (teacher-forced NLL on $NLL_IMAGES held-out images; $SAMPLES samples per policy for the Fréchet
 # distances and class accuracy, on each set of seeds in $SEEDS) and the same eval of the weights it
@@ -24,7 +26,7 @@
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 # (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
-POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
+POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} LOSS=${LOSS:-data} POOL=${POOL:-1024} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-python3} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
 # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2 SEEDS="0 7" EVAL_ARGS="--ref-images 40")
@@ -77,7 +79,7 @@ t0=$(date +%s)
 rm -rf /tmp/ft
 vq=$([ $ds = emoji ] && echo "--vq arsparse/weights/emoji-vq.safetensors" || true)  # (the shipped VQ tokenises the images)
 $PY -m arsparse.cli train model --dataset $ds $vq --device $DEVICE --out /tmp/ft --init-from /tmp/shipped.safetensors \
-  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 )) --batch-size $BATCH \
+  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-loss $LOSS --distill-pool $POOL --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 )) --batch-size $BATCH \
   --eval-every $(( (STEPS + 3) / 4 )) --eval-samples $EVAL_SAMPLES --time-limit $TRAIN_S --quiet > $OUT/train.txt 2>&1 || true
 echo "train: $(( $(date +%s) - t0 )) s"; tail -3 $OUT/train.txt; cp /tmp/ft/train_log.json $OUT/ 2>/dev/null || true
 tuned=/tmp/ft/best.safetensors; [ -f $tuned ] || { echo "no best.safetensors: see train.txt"; exit 1; }
