@@ -3,6 +3,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_frechet_rank_deficient_stays_real_and_finite():
 
 def test_frechet_reference_and_paired_bootstrap():
     """FrechetReference (its square root once) == scipy; bootstrap resamples take the rows the seed
-    fixes (the same for paired sets), and the interval is the percentiles of the paired gaps."""
+    fixes (the same for paired sets), and the interval is the measured gap ± 1.96 sd of the paired gaps."""
     from arsparse.eval.frechet import FrechetReference, bootstrap_distances, delta_interval
 
     rng = np.random.default_rng(fresh_seed())
@@ -80,13 +81,14 @@ def test_frechet_reference_and_paired_bootstrap():
     idx = np.random.default_rng(11)
     want = [scipy_frechet(*feature_stats(a[idx.integers(0, 40, 40)]), *feature_stats(ref_x)) for _ in range(7)]
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert delta_interval(got, got) == (0.0, 0.0)
+    assert delta_interval(got, got, 1.5) == (1.5, 1.5)
     far = bootstrap_distances(a + 3.0, ref, 7, seed=11)  # (the same rows, all shifted away from the reference)
-    lo, hi = delta_interval(far, got)
-    gaps = 100 * (far - got) / got
-    assert (lo, hi) == pytest.approx(tuple(np.percentile(gaps, [2.5, 97.5]))) and 0 < lo <= hi
+    gap = 100 * (ref.distance_of(a + 3.0) / ref.distance_of(a) - 1)
+    lo, hi = delta_interval(far, got, gap)
+    sd = statistics.stdev(100 * (far - got) / got)  # (sample sd; the 97.5 % normal quantile 1.959964)
+    assert (lo, hi) == pytest.approx((gap - 1.959964 * sd, gap + 1.959964 * sd), rel=1e-5) and 0 < lo < gap < hi
     with pytest.raises(ValueError, match="paired 1-D distances"):
-        delta_interval(got, got[:3])
+        delta_interval(got, got[:3], gap)
     with pytest.raises(ValueError, match="shapes do not match"):
         ref.distance_of(a[:, :5])
 
@@ -274,7 +276,10 @@ def test_evaluate_end_to_end_tiny(tmp_path):
         assert r["nll_bits_per_token"] > 0 and 0 <= r["top1_agreement"] <= 1 and r["kl_to_dense"] >= 0
         assert (r["fd_mobilenet"] is None) == (mob is None)
         ci = r["fd_classifier_delta_ci"]  # (--fd-bootstrap: an interval of the gap to dense, none for dense)
-        assert ci is None if r["policy"] == "dense" else ci[0] <= ci[1]
+        if r["policy"] == "dense":
+            assert ci is None
+        else:  # (around the measured gap, rounded to 2 decimals)
+            assert ci[0] <= ci[1] and (ci[0] + ci[1]) / 2 == pytest.approx(r["fd_classifier_delta_pct"], abs=0.01)
     assert any(r["kl_to_dense"] > 1e-3 for r in saved["rows"][1:])
     assert "bootstrap resamples" in (tmp_path / "eval.md").read_text()
     assert saved["fd_floor"]["classifier"] is not None

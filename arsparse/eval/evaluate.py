@@ -65,7 +65,7 @@ class EvalConfig:
     call; ``nll_batch``: images per teacher-forced call. ``ref_images``: held-out images in the
     Fréchet reference (capped by the data). ``grid_images``: images in each grid.
     ``fd_bootstrap``: resamples of the generated images for a 95 % interval of each Fréchet distance's
-    gap to dense (paired by seed; 0: none).
+    gap to dense (paired by seed; 0: none; :func:`~arsparse.eval.frechet.delta_interval`).
     """
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -559,7 +559,9 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
             row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
         for m in FRECHET.values():  # (a 95 % interval of the gap, with --fd-bootstrap)
             ok = name != "dense" and m in boot[name] and m in boot["dense"]
-            row[f"{m}_delta_ci"] = [round(v, 2) for v in delta_interval(boot[name][m], boot["dense"][m])] if ok else None
+            ok = ok and row[f"{m}_delta_pct"] is not None
+            row[f"{m}_delta_ci"] = ([round(v, 2) for v in delta_interval(boot[name][m], boot["dense"][m], row[f"{m}_delta_pct"])]
+                                    if ok else None)
         rows.append(row)
         result["rows"], result["wall_s"] = rows, round(time.time() - t_start, 1)
         result["complete"] = len(rows) == len(prepared)
@@ -626,8 +628,9 @@ def write_report(result: dict, out_dir) -> None:
         lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "
                      f"= {m['rho']:.4f}")
     if c.get("fd_bootstrap"):
-        lines.append(f"- Fréchet gaps in brackets: 95 % interval over {c['fd_bootstrap']} bootstrap resamples of the "
-                     "generated images, the same rows for dense and the policy (paired by seed; reference fixed)")
+        lines.append(f"- Fréchet gaps in brackets: 95 % interval, the gap ± 1.96 standard deviations of the gap over "
+                     f"{c['fd_bootstrap']} bootstrap resamples of the generated images, the same rows for dense and the "
+                     "policy (paired by seed; reference fixed)")
     lines += [f"- note: {n}" for n in result["notes"]]
     if not result.get("complete", True):
         lines.append("- **partial**: the run stopped before every policy was measured")

@@ -86,10 +86,21 @@ def bootstrap_distances(features, ref: FrechetReference, resamples: int, seed: i
     return np.array([ref.distance_of(x[rng.integers(0, len(x), len(x))]) for _ in range(resamples)])
 
 
-def delta_interval(distances, base_distances, level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of the relative gap 100 (d - base) / base over paired bootstrap distances."""
+def delta_interval(distances, base_distances, gap: float, level: float = 0.95) -> tuple[float, float]:
+    """Normal interval ``gap ± z * sd`` of the relative gap 100 (d - base) / base (percent), ``sd`` over
+    paired bootstrap distances.
+
+    Not the bootstrap's percentiles: a resample repeats images, so it has fewer distinct ones, and
+    that adds about the same to both distances, which pulls every resampled *relative* gap towards
+    zero (fashion-c2i, 1,000 samples: a measured +28.6 % had percentiles [+11.7, +23.3]; across three
+    sets of seeds the gap was +28.6, +29.1, +30.6). The spread of the resampled gaps is not pulled (its
+    sd, 3.0 points, is at least the spread between sets of seeds), so it sets the width around the
+    measured ``gap``.
+    """
+    from statistics import NormalDist
+
     d, base = np.asarray(distances, np.float64), np.asarray(base_distances, np.float64)
-    if d.shape != base.shape or d.ndim != 1 or not 0 < level < 1:
-        raise ValueError(f"need paired 1-D distances and a level in (0, 1), got {d.shape}, {base.shape}, {level}")
-    lo, hi = np.percentile(100.0 * (d - base) / np.abs(base), [50 * (1 - level), 50 * (1 + level)])
-    return float(lo), float(hi)
+    if d.shape != base.shape or d.ndim != 1 or len(d) < 2 or not 0 < level < 1:
+        raise ValueError(f"need paired 1-D distances (>= 2) and a level in (0, 1), got {d.shape}, {base.shape}, {level}")
+    half = NormalDist().inv_cdf(0.5 + level / 2) * float(np.std(100.0 * (d - base) / np.abs(base), ddof=1))
+    return float(gap - half), float(gap + half)
