@@ -124,7 +124,8 @@ def cmd_train_model(args) -> int:
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
         progress=not args.quiet, init_from=args.init_from, sparse_policy=args.sparse_policy,
         sparse_weight=args.sparse_weight, sparse_loss=args.sparse_loss, distill_pool=args.distill_pool,
-        distill_cfg_scale=_distill_cfg(args, ds.recipe), **_dropouts(args), **grid,
+        distill_cfg_scale=_distill_cfg(args, ds.recipe), distill_divergence=args.distill_divergence,
+        **_dropouts(args), **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
@@ -273,13 +274,17 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-weight", type=_positive_float, metavar="W",
                    help="the sparse loss's share of the loss, in (0, 1] (default 0.5)")
     g.add_argument("--sparse-loss", choices=("data", "distill"),
-                   help="the sparse share: cross-entropy on the data (default), or on-policy distillation: the KL "
-                        "from the dense --init-from weights on sequences the current weights sample under the policy")
+                   help="the sparse share: cross-entropy on the data (default), or on-policy distillation: a KL "
+                        "between the dense --init-from weights' and the policy's guided next-token distributions on "
+                        "sequences the current weights sample under the policy")
     g.add_argument("--distill-pool", type=positive_int, metavar="N",
                    help="distill: sequences sampled per refresh of the pool (default 1024; >= the batch size)")
     g.add_argument("--distill-cfg", type=_positive_float, metavar="SCALE",
-                   help="distill: the guidance the pool is sampled with (default: the shipped model's, e.g. 2 for "
-                        "fashion-c2i)")
+                   help="distill: the guidance the pool is sampled with and the compared distributions use "
+                        "(default: the shipped model's, e.g. 2 for fashion-c2i)")
+    g.add_argument("--distill-divergence", choices=("reverse", "forward"),
+                   help="distill: KL(policy || dense) per step, which sums to the KL between the two samplers "
+                        "(reverse, default), or KL(dense || policy) (forward: covers modes, noisier samples)")
     m.set_defaults(func=cmd_train_model)
 
     t = sub.add_parser(

@@ -11,9 +11,17 @@ of Language Models: Learning from Self-Generated Mistakes"):
    decode path (:class:`~arsparse.engine.generator.Generator`: the policy's ring cache, guidance
    ``cfg_scale``), refreshed whenever the training steps have used it up;
 2. on those sequences the student (the trained weights, attention masked to the policy's read sets)
-   is pulled towards the frozen *dense* teacher (the weights the run started from) by the forward
-   KL divergence ``KL(teacher || student)`` of every next-token distribution, for the conditional
-   rows and for the same sequences under the null class (guidance mixes both).
+   is pulled towards the frozen *dense* teacher (the weights the run started from) by a KL divergence
+   between their *sampling* distributions at every step: the guided ``softmax(u + s (c - u))`` of the
+   conditional and null-class logits (``c``, ``u``), as the sampler draws from it.
+
+``divergence="reverse"`` (the default), ``KL(student || teacher)`` per step on the student's own
+samples, sums over a sequence to the sequence-level ``KL(student sampler || dense sampler)``, the
+divergence between what the two would generate (the gradient through which prefixes get sampled
+aside). ``"forward"``, ``KL(teacher || student)``, covers the teacher's modes instead: on fashion-c2i
+(forward KL on the conditional and null rows separately, 335 steps) it halved the KL on the
+student's samples but raised the student's entropy, and the MobileNetV2 Fréchet gap went from +8 % to
++29 % (BENCHMARKS.md, session 11).
 """
 from __future__ import annotations
 
@@ -25,17 +33,22 @@ import torch.nn.functional as F
 from ..checkpoint import load_into
 from ..models.gpt import GPT
 
-__all__ = ["OnPolicyDistiller", "forward_kl"]
+__all__ = ["DIVERGENCES", "OnPolicyDistiller", "kl_divergence"]
+
+DIVERGENCES = ("reverse", "forward")
 
 
-def forward_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of ``KL(softmax(teacher) || softmax(student))`` in nats, computed in fp32.
-
-    Both ``(..., vocab)``; the result has the gradient of the student only.
-    """
+def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor, direction: str = "reverse") -> torch.Tensor:
+    """Mean over positions of ``KL(student || teacher)`` (``"reverse"``) or ``KL(teacher || student)``
+    (``"forward"``) between the softmaxes of ``(..., vocab)`` logits, in nats, computed in fp32; the
+    gradient is the student's only."""
     log_p = F.log_softmax(teacher_logits.detach().float(), dim=-1)
     log_q = F.log_softmax(student_logits.float(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    if direction == "forward":
+        return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    if direction == "reverse":
+        return (log_q.exp() * (log_q - log_p)).sum(-1).mean()
+    raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
 
 
 class OnPolicyDistiller:
@@ -54,7 +67,9 @@ class OnPolicyDistiller:
     batch : int
         Sequences per training step.
     cfg_scale : float
-        Guidance the pool is sampled with (the model's usual; 1: none).
+        Guidance the pool is sampled with and the distributions compared are guided by (the model's
+        usual; 1: none, the conditional distributions).
+    divergence : {"reverse", "forward"}
     device : torch.device
     seed : int
         The pool of refresh ``r`` uses image keys ``(seed, r * pool + i)``: reproducible, and apart
@@ -62,17 +77,19 @@ class OnPolicyDistiller:
     """
 
     def __init__(self, model: GPT, teacher_state: dict, policy: str, pool: int, batch: int, cfg_scale: float,
-                 device: torch.device, seed: int):
+                 device: torch.device, seed: int, divergence: str = "reverse"):
         from ..engine.generator import Generator
 
         if pool < batch:
             raise ValueError(f"distill_pool ({pool}) must be at least the batch size ({batch})")
         self.cfg = model.config
-        self.null = self.cfg.has_null_class
-        if cfg_scale != 1 and not self.null:
+        if cfg_scale != 1 and not self.cfg.has_null_class:
             raise ValueError(f"distill_cfg_scale {cfg_scale} needs a null class, and this model has none "
                              "(trained with class_dropout_prob 0): use 1")
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {', '.join(DIVERGENCES)}, got {divergence!r}")
         self.batch, self.pool, self.cfg_scale, self.seed = batch, pool, float(cfg_scale), seed
+        self.divergence = divergence
         self.chunks = pool // batch
         self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         load_into(self.teacher, teacher_state, what="the distillation teacher (init_from)")
@@ -105,12 +122,20 @@ class OnPolicyDistiller:
         sl = slice(i * self.batch, (i + 1) * self.batch)
         return self._tokens[sl], self._labels[sl]
 
+    def guided_logits(self, gpt: GPT, tokens: torch.Tensor, labels: torch.Tensor, backend=None) -> torch.Tensor:
+        """The logits the sampler draws each token from: ``u + s (c - u)`` of the conditional and null-class
+        rows (the conditional alone when ``cfg_scale`` is 1), (B, N, vocab)."""
+        if self.cfg_scale == 1:
+            return gpt.logits(labels, tokens, backend=backend)
+        both = gpt.logits(torch.cat([labels, torch.full_like(labels, self.cfg.num_classes)]),
+                          torch.cat([tokens, tokens]), backend=backend)  # (2B, N, vocab)
+        cond, uncond = both.float().chunk(2)
+        return uncond + self.cfg_scale * (cond - uncond)
+
     def loss(self, model: GPT, tokens: torch.Tensor, labels: torch.Tensor, backend) -> torch.Tensor:
-        """``KL(dense teacher || student under the policy's read sets)`` per next token (nats), averaged over
-        the sequences with their class and with the null class (when the model has one)."""
-        x, y = tokens, labels  # (B, N), (B,)
-        if self.null:  # the null rows too (B -> 2B)
-            x, y = torch.cat([x, x]), torch.cat([y, torch.full_like(y, self.cfg.num_classes)])
+        """The KL divergence (``divergence``) between the dense teacher's and the student's guided next-token
+        distributions, the student's attention restricted to the policy's read sets (``backend``),
+        per token (nats)."""
         with torch.no_grad():
-            teacher = self.teacher.logits(y, x)  # (2B, N, vocab)
-        return forward_kl(teacher, model.logits(y, x, backend=backend))
+            teacher = self.guided_logits(self.teacher, tokens, labels)
+        return kl_divergence(teacher, self.guided_logits(model, tokens, labels, backend), self.divergence)

@@ -25,10 +25,10 @@ the loss is ``(1 - sparse_weight)`` x the dense cross-entropy plus ``sparse_weig
 cross-entropy with attention restricted to an offset policy's read sets (the masks its ring cache
 reads at decode time), so the model learns to put what it needs where that policy reads. Held-out
 losses are then reported both ways and the best weights are those of the lowest weighted sum.
-With ``sparse_loss="distill"`` the sparse share is instead on-policy distillation: the KL divergence
-from the dense ``init_from`` weights to the policy's predictions on sequences the current weights
-sample under the policy (:mod:`arsparse.training.distill`); the dense share stays cross-entropy on the
-data. (Its pool is sampled afresh after a resume, so a resumed distillation run is not bit-identical
+With ``sparse_loss="distill"`` the sparse share is instead on-policy distillation: a KL divergence
+between the dense ``init_from`` weights' and the policy's guided next-token distributions on
+sequences the current weights sample under the policy (:mod:`arsparse.training.distill`); the dense
+share stays cross-entropy on the data. (Its pool is sampled afresh after a resume, so a resumed distillation run is not bit-identical
 to a straight one.)
 
 Regularisation: LlamaGen's dropouts (``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
@@ -55,6 +55,7 @@ from ..checkpoint import load_into, read_state_dict, save_safetensors
 from ..loading import config_metadata, read_metadata
 from ..models.config import DROPOUT_FIELDS, GPT_PRESETS, GPTConfig, gpt_config
 from ..models.gpt import GPT
+from .distill import DIVERGENCES
 from .loop import CKPT_NAME, LOG_NAME, TrainLoop, atomic_torch_save, lr_at, run_device, start_clock, write_json
 
 __all__ = [
@@ -202,7 +203,8 @@ class TrainConfig:
     #: distillation from the dense init_from weights: :mod:`arsparse.training.distill`)
     sparse_loss: str = "data"
     distill_pool: int = 1024  #: sequences sampled per refresh of the distillation pool
-    distill_cfg_scale: float = 2.0  #: the guidance the pool is sampled with
+    distill_cfg_scale: float = 2.0  #: the guidance the pool is sampled with (and the compared distributions use)
+    distill_divergence: str = "reverse"  #: KL(student || teacher) ("reverse") or KL(teacher || student)
 
     def __post_init__(self):
         def bad(msg):
@@ -239,6 +241,8 @@ class TrainConfig:
                 bad(f"distill_pool must be an int >= batch_size ({self.batch_size}), got {self.distill_pool!r}")
             if not (isinstance(self.distill_cfg_scale, (int, float)) and self.distill_cfg_scale >= 1):
                 bad(f"distill_cfg_scale must be >= 1 (1: no guidance), got {self.distill_cfg_scale!r}")
+            if self.distill_divergence not in DIVERGENCES:
+                bad(f"distill_divergence must be one of {', '.join(DIVERGENCES)}, got {self.distill_divergence!r}")
         self.gpt_config()  # architecture errors surface now, not after the data is loaded
 
     def gpt_config(self) -> GPTConfig:
@@ -609,7 +613,7 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         from .distill import OnPolicyDistiller
 
         distiller = OnPolicyDistiller(model, read_state_dict(cfg.init_from), cfg.sparse_policy, cfg.distill_pool,
-                                      cfg.batch_size, cfg.distill_cfg_scale, device, cfg.seed)
+                                      cfg.batch_size, cfg.distill_cfg_scale, device, cfg.seed, cfg.distill_divergence)
     out = Path(cfg.out_dir)
     best_path = out / BEST_NAME
 
@@ -665,7 +669,8 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         kl = float(window_kl) / n
         window_kl.zero_()
         return ({"train_bpt": bpt, "distill_kl_nats": kl}, {"kl": f"{kl:.4f}"},
-                f"train: loss {bpt:.4f} bits, KL(dense || {cfg.sparse_policy}) on its own samples {kl:.4f} nats/token")
+                f"train: loss {bpt:.4f} bits, {cfg.distill_divergence} KL to dense on {cfg.sparse_policy}'s samples "
+                f"{kl:.4f} nats/token")
 
     def run_eval() -> float:
         """The held-out loss the best weights are chosen by (sparse-aware: the training objective's mix)."""

@@ -10,7 +10,7 @@
 #
 # run: `arsparse train model --init-from <shipped GPT> --sparse-policy $POLICY --sparse-weight $WEIGHT
 # --sparse-loss $LOSS` (data: cross-entropy on the images; distill: on-policy distillation from the
-# shipped weights, a pool of $POOL sequences sampled under the policy at a time)
+# shipped weights, a pool of $POOL sequences sampled under the policy at a time, KL $DIVERGENCE)
 # for $STEPS steps (lr $LR), then `arsparse eval --gpt-ckpt <best weights>` with dense and the policy
 # (teacher-forced NLL on $NLL_IMAGES held-out images; $SAMPLES samples per policy for the Fréchet
 # distances and class accuracy, on each set of seeds in $SEEDS) and the same eval of the weights it
@@ -26,9 +26,10 @@
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 # (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
-POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} LOSS=${LOSS:-data} POOL=${POOL:-1024} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
+POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-python3} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
+BASELINE=${BASELINE:-1}  # (0: no eval of the shipped weights, whose numbers are known: more time to train)
 # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2 SEEDS="0 7" EVAL_ARGS="--ref-images 40")
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i
@@ -79,7 +80,7 @@ t0=$(date +%s)
 rm -rf /tmp/ft
 vq=$([ $ds = emoji ] && echo "--vq arsparse/weights/emoji-vq.safetensors" || true)  # (the shipped VQ tokenises the images)
 $PY -m arsparse.cli train model --dataset $ds $vq --device $DEVICE --out /tmp/ft --init-from /tmp/shipped.safetensors \
-  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-loss $LOSS --distill-pool $POOL --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 )) --batch-size $BATCH \
+  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-loss $LOSS --distill-pool $POOL --distill-divergence $DIVERGENCE --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 )) --batch-size $BATCH \
   --eval-every $(( (STEPS + 3) / 4 )) --eval-samples $EVAL_SAMPLES --time-limit $TRAIN_S --quiet > $OUT/train.txt 2>&1 || true
 echo "train: $(( $(date +%s) - t0 )) s"; tail -3 $OUT/train.txt; cp /tmp/ft/train_log.json $OUT/ 2>/dev/null || true
 tuned=/tmp/ft/best.safetensors; [ -f $tuned ] || { echo "no best.safetensors: see train.txt"; exit 1; }
@@ -87,7 +88,7 @@ tuned=/tmp/ft/best.safetensors; [ -f $tuned ] || { echo "no best.safetensors: se
 # Fréchet distances move between sets, BENCHMARKS), the shipped ones on the first
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 first=${SEEDS%% *}
-for run in $(for s in $SEEDS; do echo tuned-s$s; done) shipped-s$first; do
+for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && echo shipped-s$first); do
   which=${run%-s*} seed=${run##*-s}
   ckpt=$([ $which = tuned ] && echo "--gpt-ckpt $tuned" || true)
   $PY -m arsparse.cli eval --model $model $ckpt --policies "$POLICY" --nll-images $NLL_IMAGES --seed $seed \
