@@ -28,8 +28,8 @@ losses are then reported both ways and the best weights are those of the lowest 
 With ``sparse_loss="distill"`` the sparse share is instead on-policy distillation: a KL divergence
 between the dense ``init_from`` weights' and the policy's guided next-token distributions on
 sequences the current weights sample under the policy (:mod:`arsparse.training.distill`); the dense
-share stays cross-entropy on the data. (Its pool is sampled afresh after a resume, so a resumed distillation run is not bit-identical
-to a straight one.)
+share stays cross-entropy on the data. (Its pool is sampled afresh after a resume, so a resumed
+distillation run is not bit-identical to a straight one.)
 
 Regularisation: LlamaGen's dropouts (``token_dropout_p``, ``attn_dropout_p``, ``resid_dropout_p``,
 ``ffn_dropout_p``, ``drop_path_rate``; see :class:`~arsparse.models.config.GPTConfig`), drawn from
