@@ -558,8 +558,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         for m in METRICS:  # dense runs first
             row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
         for m in FRECHET.values():  # (a 95 % interval of the gap, with --fd-bootstrap)
-            ok = name != "dense" and m in boot[name] and m in boot["dense"]
-            ok = ok and row[f"{m}_delta_pct"] is not None
+            ok = name != "dense" and m in boot[name] and m in boot["dense"] and row[f"{m}_delta_pct"] is not None
             row[f"{m}_delta_ci"] = ([round(v, 2) for v in delta_interval(boot[name][m], boot["dense"][m], row[f"{m}_delta_pct"])]
                                     if ok else None)
         rows.append(row)

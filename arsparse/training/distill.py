@@ -72,8 +72,8 @@ class OnPolicyDistiller:
     divergence : {"reverse", "forward"}
     device : torch.device
     seed : int
-        The pool of refresh ``r`` uses image keys ``(seed, r * pool + i)``: reproducible, and apart
-        from the evaluation's seeds.
+        Image ``i`` of pool ``r`` is sampled with the Generator's seed ``1,000,000,007 (seed + 1) + r pool
+        + i``: reproducible, and far from the seeds evaluations use.
     """
 
     def __init__(self, model: GPT, teacher_state: dict, policy: str, pool: int, batch: int, cfg_scale: float,
@@ -93,8 +93,8 @@ class OnPolicyDistiller:
         self.chunks = pool // batch
         self.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         load_into(self.teacher, teacher_state, what="the distillation teacher (init_from)")
-        # the sampler: a second copy the Generator may cast and capture; refreshed in place (same tensors,
-        # so a captured CUDA graph stays valid)
+        # the sampler: a second copy the Generator may cast (fp32, as the evaluations sample) and capture;
+        # refreshed in place (same tensors, so a captured CUDA graph stays valid)
         sampler = copy.deepcopy(model).requires_grad_(False)
         self.generator = Generator(sampler, device=device, dtype="fp32", policy=policy)
         self._tokens = self._labels = None
@@ -104,7 +104,7 @@ class OnPolicyDistiller:
         """Pool ``r``'s classes (uniform, (pool,)) and its images' sampling keys."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + r)
         labels = torch.randint(self.cfg.num_classes, (self.pool,), generator=g)  # (pool,)
-        return labels, [self.seed * 1_000_000_007 + r * self.pool + i for i in range(self.pool)]
+        return labels, [(self.seed + 1) * 1_000_000_007 + r * self.pool + i for i in range(self.pool)]
 
     def _refresh(self, model: GPT, r: int) -> None:
         self.generator.gpt.load_state_dict({k: v.detach() for k, v in model.state_dict().items()})

@@ -29,7 +29,7 @@ what=${1:?prepare|run} ds=${2:-fashion}
 POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-python3} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
-BASELINE=${BASELINE:-1}  # (0: no eval of the shipped weights, whose numbers are known: more time to train)
+BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers are known: more time to train)
 # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2 SEEDS="0 7" EVAL_ARGS="--ref-images 40")
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i
@@ -37,7 +37,7 @@ model=$ds-c2i
 SEEDS=${SEEDS:-$([ $ds = fashion ] && echo "0 10000 20000" || echo 0)}
 if [ "$what" = prepare ]; then
   rm -rf .ft && mkdir -p .ft && { grep -qx '/.ft/' .git/info/exclude || echo /.ft/ >> .git/info/exclude; }
-  xz -T0 -6 -c arsparse/weights/$model.safetensors > .ft/gpt.safetensors.xz
+  xz -T0 -6 -c "${INIT:-arsparse/weights/$model.safetensors}" > .ft/gpt.safetensors.xz  # (INIT: other weights to start from)
   if [ $ds = fashion ]; then
     # The images as the palette tokenizer sees them (each byte -> its level's byte: the same tokens, so
     # training and every eval are unchanged) pack to 15 MB instead of 26.5, which leaves room for
@@ -90,7 +90,7 @@ mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/
 first=${SEEDS%% *}
 for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && echo shipped-s$first); do
   which=${run%-s*} seed=${run##*-s}
-  ckpt=$([ $which = tuned ] && echo "--gpt-ckpt $tuned" || true)
+  ckpt="--gpt-ckpt $([ $which = tuned ] && echo $tuned || echo /tmp/shipped.safetensors)"  # (shipped: the starting weights)
   $PY -m arsparse.cli eval --model $model $ckpt --policies "$POLICY" --nll-images $NLL_IMAGES --seed $seed \
     --num-samples $SAMPLES $mob $EVAL_ARGS --dtype fp32 --device $DEVICE --quiet --out /tmp/ev-$run > /tmp/eval-$run.txt 2>&1 || true
   cp /tmp/ev-$run/eval.json $OUT/eval-$run.json 2>/dev/null
