@@ -263,3 +263,30 @@ def test_bad_distillation_settings_are_clear_errors(tmp_path, capsys):
     assert main(["train", "model", "--dataset", "fashion", "--out", str(tmp_path / "x"), "--sparse-policy", "diagonal",
                  "--sparse-loss", "distill"]) != 0
     assert "init_from" in capsys.readouterr().err
+
+
+def test_a_distillation_run_resumes_with_the_teacher_it_started_from(tmp_path):
+    """Stopped after 3 steps and resumed: the run finishes, the teacher is still the init_from weights (the
+    resumed step's logged KL == the reference from the checkpointed weights), and the pool of the
+    resumed step is sampled from the weights it resumed with."""
+    from arsparse.checkpoint import read_state_dict
+    from arsparse.training.distill import OnPolicyDistiller
+    from arsparse.training.trainer import load_checkpoint
+
+    tokens, labels = _data()
+    cfg = _cfg(tmp_path / "run", steps=5, sparse_policy=SPEC, sparse_weight=1.0, sparse_loss="distill",
+               init_from=str(tmp_path / "w.pt"), distill_pool=16, log_every=1)
+    start = _start_weights(cfg, tmp_path / "w.pt", seed=2)
+    first = train_gpt(cfg, tokens, labels, stop_after=3)
+    assert not first.finished and first.step == 3
+    mid = GPT(cfg.gpt_config())
+    mid.load_state_dict(load_checkpoint(first.ckpt_path)["model"])
+    mid.eval()
+    xs, ys = OnPolicyDistiller(mid, start.state_dict(), SPEC, 16, 8, 2.0, torch.device("cpu"),
+                               cfg.seed).batch_at(mid, 3)  # (pool 1, second half: refreshed on resume)
+    with torch.no_grad():
+        want = _kl_ref(start, mid, ys, xs, SPEC)
+    done = train_gpt(cfg, tokens, labels, resume=True)
+    assert done.finished and done.step == 5 and read_state_dict(done.model_path)
+    row = next(r for r in done.history["train"] if r["step"] == 4)
+    assert row["distill_kl_nats"] == pytest.approx(want, rel=1e-4)
