@@ -30,6 +30,17 @@ def _data(n=32, seed=0):
     return tokens, labels
 
 
+def _start_weights(cfg, path, seed=0):
+    """Weights far from init_weights' draws, saved at ``path`` (the run's init_from: the dense teacher)."""
+    start = GPT(cfg.gpt_config())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    torch.save(start.state_dict(), path)
+    return start.eval()
+
+
 def _ce_bits(model, y, x, policy=None) -> float:
     logits = model.logits(y, x, policy=policy)
     return float(F.cross_entropy(logits.flatten(0, 1), x.flatten())) / math.log(2)
@@ -40,11 +51,7 @@ def test_a_sparse_aware_step_starts_from_the_given_weights_and_mixes_the_two_los
     computed from the init_from weights (not a fresh init) through gpt.logits(policy=...) on the same batch."""
     tokens, labels = _data()
     cfg = _cfg(tmp_path / "run", sparse_policy=SPEC, sparse_weight=0.7, init_from=str(tmp_path / "w.pt"))
-    start = GPT(cfg.gpt_config())
-    with torch.no_grad():
-        for p in start.parameters():
-            p.normal_(0.0, 0.3)  # far from init_weights' draws: a run that ignored init_from would differ
-    torch.save(start.state_dict(), tmp_path / "w.pt")
+    start = _start_weights(cfg, tmp_path / "w.pt")  # (a run that ignored init_from would differ)
     x, y = make_batch(cfg, 0, tokens, labels)
     with torch.no_grad():
         want = 0.7 * _ce_bits(start, y, x, SPEC) + 0.3 * _ce_bits(start, y, x)
@@ -132,17 +139,6 @@ def test_eval_takes_other_weights_for_a_bundle_and_refuses_ones_that_do_not_fit(
 
 
 # ---- on-policy distillation (sparse_loss="distill") -------------------------------------------------
-
-def _start_weights(cfg, path, seed=0):
-    """Weights far from init_weights' draws, saved at ``path`` (the run's init_from: the dense teacher)."""
-    start = GPT(cfg.gpt_config())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in start.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    torch.save(start.state_dict(), path)
-    return start.eval()
-
 
 def _kl_ref(teacher, student, y, x, policy, scale=2.0, direction="reverse") -> float:
     """The KL divergence between the guided next-token distributions (u + scale (c - u), the null class 10

@@ -11,6 +11,8 @@ of the product returns complex noise.
 """
 from __future__ import annotations
 
+from statistics import NormalDist
+
 import numpy as np
 
 __all__ = ["FrechetReference", "bootstrap_distances", "delta_interval", "feature_stats", "frechet_distance",
@@ -97,8 +99,6 @@ def delta_interval(distances, base_distances, gap: float, level: float = 0.95) -
     sd, 3.0 points, is at least the spread between sets of seeds), so it sets the width around the
     measured ``gap``.
     """
-    from statistics import NormalDist
-
     d, base = np.asarray(distances, np.float64), np.asarray(base_distances, np.float64)
     if d.shape != base.shape or d.ndim != 1 or len(d) < 2 or not 0 < level < 1:
         raise ValueError(f"need paired 1-D distances (>= 2) and a level in (0, 1), got {d.shape}, {base.shape}, {level}")
