@@ -121,6 +121,8 @@ RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, bloc
     "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),
     "rows8": dict(rows_per_program=8, num_warps=4, num_stages=3),
     "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
+    "three-tiles": dict(merged=False),
+    "merged-late-nw2": dict(late_cast=True, num_warps=2),
 }
 
 
@@ -334,13 +336,15 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
     assert (got - want).norm() / want.norm() < tol
 
 
-@pytest.mark.parametrize("policy,early", [(None, False), ("diagonal", False), ("diagonal", True)])
-def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, monkeypatch):
+@pytest.mark.parametrize("policy,early,merged", [(None, False, True), ("diagonal", False, True),
+                                                 ("diagonal", True, True), ("diagonal", True, False)])
+def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, merged, monkeypatch):
     """PDL (kernels/triton/_pdl.py): each decode kernel starts beside the last programs of the one
     before and waits for it before reading what the step writes. Latency mode in bf16 (matvec, split +
     combine or ring kernels back to back), the step in a CUDA graph: the same tokens and teacher-forced
     logits, bit for bit, as plain launches (a read before its input was written would change them).
-    ``early``: the ring kernel's gathers issued before its wait (``ring.LAUNCH["early_loads"]``)."""
+    ``early``: the ring kernel's gathers issued before its wait (``ring.LAUNCH["early_loads"]``); ``merged``:
+    its one-tile form."""
     from arsparse.kernels.triton import _pdl, ring
 
     model = random_gpt("c2i", seed=16, image_tokens=256, n_kv_head=2)
@@ -348,6 +352,7 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, mo
     tokens = torch.randint(0, model.config.vocab_size, (2, 256))
     make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy,  # noqa: E731
                              matvec=True)
+    monkeypatch.setitem(ring.LAUNCH, "merged", merged)
     monkeypatch.setattr(_pdl, "ENABLED", 0)
     plain = make()
     want, want_logits = plain.sample_tokens(cond, seed=5, cfg_scale=2.0), plain.cached_logits(cond, tokens)
@@ -387,3 +392,4 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M, monkeypatch):
     plain = matvec(x, wqkv, norm=(nw, 1e-5)), matvec(gate, w2, residual=x)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
     assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5)), plain[0]) and torch.equal(matvec(gate, w2, residual=x), plain[1])
+

@@ -88,8 +88,10 @@ def test_decode_attention_rejects_bad_input():
 
 
 @pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True),
-                                    dict(rows_per_program=4, heads_first=True, early_loads=False)],
-                         ids=["engine", "rows2-late", "rows4-heads-first-wait-first"])
+                                    dict(rows_per_program=4, heads_first=True, early_loads=False),
+                                    dict(merged=False), dict(merged=False, early_loads=False, late_cast=True)],
+                         ids=["engine", "rows2-late", "rows4-heads-first-wait-first", "three-tiles",
+                              "three-tiles-late-wait-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -110,8 +112,8 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
         _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
-@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True, early_loads=False)],
-                         ids=["engine", "rows2-late-wait-first"])
+@pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True, early_loads=False),
+                                    dict(merged=False)], ids=["engine", "rows2-late-wait-first", "three-tiles"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
 def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
@@ -139,10 +141,11 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
               dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
-              dict(rows_per_program=3, heads_first=True)]
+              dict(rows_per_program=3, heads_first=True), dict(rows_per_program=3, merged=False, late_cast=True)]
 
 
-@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-heads-first"])
+@pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-heads-first",
+                                                    "rows3-three-tiles-late"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
@@ -211,6 +214,28 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
                       ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
+
+
+def test_merged_ring_tile_alignment_is_the_common_power_of_two_of_addresses_and_strides():
+    """The alignment the merged kernel restates for its gathered rows: the largest power of two up to 16
+    bytes dividing every buffer's address and every stride but the last (a direct gcd), on views at
+    random element offsets and head sizes."""
+    import math
+
+    from arsparse.kernels.triton.ring import _row_alignment
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(20):
+        D = int(torch.randint(1, 5, (1,), generator=g)) * [1, 2, 4, 8, 16][int(torch.randint(0, 5, (1,), generator=g))]
+        dtype = [torch.float32, torch.bfloat16][int(torch.randint(0, 2, (1,), generator=g))]
+        views = []
+        for _ in range(3):
+            base = torch.empty(2 * 3 * 5 * D + 16, dtype=dtype)
+            start = int(torch.randint(0, 16, (1,), generator=g))
+            views.append(base[start:start + 2 * 3 * 5 * D].view(2, 3, 5, D))
+        values = [v for t in views for v in (t.data_ptr(), *(st * t.element_size() for st in t.stride()[:-1]))]
+        common = math.gcd(*values)
+        assert _row_alignment(*views) == min(16, common & -common)
 
 
 def test_caches_past_32_bit_offsets_are_refused():
@@ -380,11 +405,11 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
         assert torch.equal(results[i], _offline(offline, r)), f"request {i}"
 
 
-RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
+RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (the engine's: MERGED, ALIGN 16)
     "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                    HEADS_FIRST=False, EARLY=True), 1),
+                    HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16), 1),
     "rows4-span-rest-heads-first": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
-                                         LATE_CAST=False, HEADS_FIRST=True), 1),
+                                         LATE_CAST=False, HEADS_FIRST=True, MERGED=True, ALIGN=4), 1),
     "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True,
                               HEADS_FIRST=False), 4),
     "rows3-d100-rest": (dict(G=2, ROWS=3, BLOCK_P=8, BLOCK_D=128, HAS_SPAN=False, HAS_REST=True, LATE_CAST=True,
@@ -393,11 +418,16 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes
     # 279 of 289 global loads; after it only the query, the new token and the sums); without
     # early_loads only the offsets
     "engine-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                        HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
+                        HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16), 1,
+                   PDL_PTX + ["ld.global before wait >= 200"]),
+    "three-tiles-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
+                             HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
     "pdl-wait-first": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                            HEADS_FIRST=False, PDL=True, EARLY=False), 1, PDL_PTX + ["ld.global before wait <= 4"]),
+                            HEADS_FIRST=False, PDL=True, EARLY=False, MERGED=True, ALIGN=16), 1,
+                       PDL_PTX + ["ld.global before wait <= 4"]),
     "rest-pdl-early": (dict(G=2, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True, LATE_CAST=False,
-                            HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
+                            HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16), 1,
+                       PDL_PTX + ["ld.global before wait >= 200"]),
 }
 
 

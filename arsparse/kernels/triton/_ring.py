@@ -16,7 +16,9 @@ Its form was chosen on an H200 (BENCHMARKS.md, runs 6 and 7): 2-D tiles of one h
 the decode step of diagonal at batch 256 from 4.75 to 4.05 ms against 3-D tiles of a block of heads,
 and against one program per (rows, kv head) reading the ring in chunks with an online softmax; a
 row loop that issued the next row's loads first (by hand) and the offsets in two register tiles
-sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this form (run 7).
+sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this form (run 7). Since run
+12 a row's prompt, sinks and ring entries share one tile (``MERGED``: fewer instructions, one softmax;
+diagonal at batch 256 3.94 -> 3.74-3.80 ms per step); a long caption prompt keeps the three tiles.
 """
 import triton
 import triton.language as tl
@@ -34,6 +36,70 @@ def _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sc
 
 
 @triton.jit
+def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
+                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
+                ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
+                HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
+                EARLY: tl.constexpr, ALIGN: tl.constexpr):
+    """Row ``b``'s read set in one tile (BO, BD): entry j < n_off is the ring entry at offset o[j], the
+    next S entries the sinks, the next P the prompt (BO >= n_off + S + P), each row's address taken
+    from its own buffer; one softmax over the tile. Returns the unnormalised output (BD,), its sum,
+    and the new token's K/V (for the caller's cache write). ``ALIGN``: every row of the three buffers
+    starts at a multiple of ALIGN bytes (the launch computes it)."""
+    if not EARLY:
+        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    kpos = pos - o  # ring entries (j < n_off): image positions past the sinks
+    is_r = (o >= 0) & (kpos >= P + S)
+    slot = tl.where(is_r, (kpos - P) % W, 0)
+    js = tl.maximum(jo - n_off, 0)  # sink index of entries n_off.. (0 elsewhere: unread)
+    is_s = (jo >= n_off) & (jo < n_off + S) & (js <= i)
+    jp = tl.maximum(jo - n_off - S, 0)  # prompt index of entries n_off + S..
+    is_p = (jo >= n_off + S) & (jp < P)
+    if HAS_SPAN:
+        is_p = is_p & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
+    new = (is_r & (slot == i % W)) | (is_s & (js == i))  # the slot this step writes: from registers
+    read = is_r | is_s | is_p
+    r_off = b * sr_b + hk * sr_h + slot * sr_s
+    s_off = b * ss_b + hk * ss_h + js * ss_s
+    p_off = b * sp_b + hk * sp_h + jp * sp_s
+    kptr = tl.where(is_r, RK + r_off, tl.where(is_s, SK + s_off, PK + p_off))  # (BO,)
+    vptr = tl.where(is_r, RV + r_off, tl.where(is_s, SV + s_off, PV + p_off))
+    # (a select of pointers loses what the compiler knows of their alignment: restated, or 2-byte loads)
+    kptr = tl.multiple_of(kptr, ALIGN)
+    vptr = tl.multiple_of(vptr, ALIGN)
+    lmask = (read & ~new)[:, None] & dmask[None, :]
+    k = tl.load(kptr[:, None] + offs_d[None, :], mask=lmask, other=0.0)  # (BO, BD)
+    v = tl.load(vptr[:, None] + offs_d[None, :], mask=lmask, other=0.0)
+    if EARLY:
+        wait_prior(PDL)
+        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    if not LATE_CAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    k = tl.where(new[:, None], kn.to(k.dtype)[None, :], k)
+    v = tl.where(new[:, None], vn.to(v.dtype)[None, :], v)
+    s = tl.where(read, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))  # (BO,)
+    m = tl.max(s, axis=0)
+    if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
+        count = tl.maximum(i + 1 - S, 0) - tl.sum(is_r.to(tl.int32), axis=0)
+        n = tl.maximum(count, 1).to(tl.float32)
+        sum_off = b * ssum_b + hk * ssum_h + offs_d
+        k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0)
+               - tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)) / n
+        v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0)
+               - tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)) / n
+        s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
+        m = tl.maximum(m, s_e)
+    p = tl.exp(s - m)
+    l = tl.sum(p, axis=0)
+    acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)  # (BD,)
+    if HAS_REST:
+        p_e = tl.exp(s_e - m)
+        l = l + p_e
+        acc = acc + p_e * v_e
+    return acc, l, kn, vn
+
+
+@triton.jit
 def ring_decode_kernel(
     Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
@@ -42,6 +108,7 @@ def ring_decode_kernel(
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -59,6 +126,8 @@ def ring_decode_kernel(
     a row's gathers (prompt, sinks, ring entries other than the new token's slot: all written by
     earlier steps or the prefill, which ordinary launches at each step boundary have finished; its
     position likewise), and before anything the step writes (the query, the new token, the sums).
+    ``MERGED``: the prompt, the sinks and the ring entries of a row in one tile (:func:`_merged_row`)
+    instead of three tiles and three softmax terms (``ALIGN``: see there).
     """
     launch_next(PDL)
     h = tl.program_id(0 if HEADS_FIRST else 1)
@@ -78,62 +147,68 @@ def ring_decode_kernel(
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos)
         i = pos - P  # image index of the query
-        if not EARLY:
-            q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+        if MERGED:
+            acc, l, kn, vn = _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos,
+                                         i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h,
+                                         ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
+                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN)
+        else:
+            if not EARLY:
+                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d,
+                                         dmask)
+            pmask = jp < P  # the prompt (BP,)
+            if HAS_SPAN:
+                pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
+            p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
+            kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+            vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
 
-        pmask = jp < P  # the prompt (BP,)
-        if HAS_SPAN:
-            pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
-        p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
-        kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
-        vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+            smask = (js < S) & (js <= i)  # the sinks written so far (BS,); sink i is the new token
+            snew = js == i
+            s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
+            ks = tl.load(SK + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
+            vs = tl.load(SV + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
 
-        smask = (js < S) & (js <= i)  # the sinks written so far (BS,); sink i is the new token
-        snew = js == i
-        s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
-        ks = tl.load(SK + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
-        vs = tl.load(SV + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
+            kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
+            omask = (o >= 0) & (kpos >= P + S)
+            slot = tl.where(omask, (kpos - P) % W, 0)
+            rnew = omask & (slot == i % W)  # the slot this step writes: from registers
+            r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
+            kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
+            vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
+            if EARLY:
+                wait_prior(PDL)
+                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+            if not LATE_CAST:
+                kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
+                kr, vr = kr.to(tl.float32), vr.to(tl.float32)
+            ks = tl.where(snew[:, None], kn.to(ks.dtype)[None, :], ks)
+            vs = tl.where(snew[:, None], vn.to(vs.dtype)[None, :], vs)
+            kr = tl.where(rnew[:, None], kn.to(kr.dtype)[None, :], kr)
+            vr = tl.where(rnew[:, None], vn.to(vr.dtype)[None, :], vr)
 
-        kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
-        omask = (o >= 0) & (kpos >= P + S)
-        slot = tl.where(omask, (kpos - P) % W, 0)
-        rnew = omask & (slot == i % W)  # the slot this step writes: from registers
-        r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
-        kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-        vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-        if EARLY:
-            wait_prior(PDL)
-            q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
-        if not LATE_CAST:
-            kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
-            kr, vr = kr.to(tl.float32), vr.to(tl.float32)
-        ks = tl.where(snew[:, None], kn.to(ks.dtype)[None, :], ks)
-        vs = tl.where(snew[:, None], vn.to(vs.dtype)[None, :], vs)
-        kr = tl.where(rnew[:, None], kn.to(kr.dtype)[None, :], kr)
-        vr = tl.where(rnew[:, None], vn.to(vr.dtype)[None, :], vr)
-
-        s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
-        if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
-            count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
-            n = tl.maximum(count, 1).to(tl.float32)
-            sum_off = b * ssum_b + hk * ssum_h + offs_d
-            k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
-            v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
-            s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
-            m = tl.maximum(m, s_e)
-        p_p = tl.exp(s_p - m)
-        p_s = tl.exp(s_s - m)
-        p_r = tl.exp(s_r - m)
-        l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
-        acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
-               + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0))  # (BD,)
-        if HAS_REST:
-            p_e = tl.exp(s_e - m)
-            l = l + p_e
-            acc = acc + p_e * v_e
+            s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+            s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+            s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+            m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
+            if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
+                count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
+                n = tl.maximum(count, 1).to(tl.float32)
+                sum_off = b * ssum_b + hk * ssum_h + offs_d
+                k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
+                v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
+                s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
+                m = tl.maximum(m, s_e)
+            p_p = tl.exp(s_p - m)
+            p_s = tl.exp(s_s - m)
+            p_r = tl.exp(s_r - m)
+            l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
+            acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
+                   + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0))  # (BD,)
+            if HAS_REST:
+                p_e = tl.exp(s_e - m)
+                l = l + p_e
+                acc = acc + p_e * v_e
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
         tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache

@@ -14,14 +14,20 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: with programmatic dependent launch the gathers issued before waiting for the previous kernel
 #: (``early_loads``; batch 1, 576 tokens: diagonal 1.089 -> 1.042 ms per step, run 11), launch
 #: options. (Prefetching the reads of the program N places later into the L2 was 0.37-0.41 ms slower
-#: per step at batch 256, run 9, and was removed.)
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, num_warps=1)
+#: per step at batch 256, run 9, and was removed.) ``merged``: a row's prompt, sinks and ring entries
+#: in one tile (batch 256, 576 tokens: diagonal 3.923 -> 3.781 ms per step, the ring kernel 1.956 ->
+#: 1.828 ms, run 12).
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, num_warps=1)
+#: ``merged`` puts a row's prompt, sinks and ring entries in one tile only up to this many rows (or the
+#: ring's own tile size): a long caption prompt keeps its own tile.
+MERGED_ROWS = 64
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
     late_cast=_BOOL,
     heads_first=_BOOL,
     early_loads=_BOOL,
+    merged=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
@@ -43,9 +49,20 @@ def _settings(given: dict | None, what: str) -> dict:
     return merged
 
 
+def _row_alignment(*buffers: torch.Tensor) -> int:
+    """The largest power of two up to 16 that divides, in bytes, every buffer's address and its strides
+    but the last: the alignment of every (row, head, entry) vector the merged kernel gathers."""
+    g = 16
+    for t in buffers:
+        for v in (t.data_ptr(), *(s * t.element_size() for s in t.stride()[:-1])):
+            while v % g:
+                g //= 2
+    return g
+
+
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; ``late_cast``, ``heads_first`` and ``early_loads`` take 1/0/true/false). For ``arsparse bench
+    (ints; the bools ``late_cast``, ``heads_first``, ``early_loads`` and ``merged`` take 1/0/true/false). For ``arsparse bench
     --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -89,7 +106,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         head per program (its offsets loaded once, a loop over the rows), ``late_cast`` (K/V tiles in
         the cache's dtype until the products), ``heads_first`` (a grid of (heads, row blocks)),
         ``early_loads`` (with PDL: each row's gathers before the wait for the previous kernel),
-        ``num_warps``, ``num_stages``
+        ``merged`` (a row's prompt, sinks and ring entries in one tile and one softmax, where that tile has at
+        most :data:`MERGED_ROWS` rows or no more than the ring's alone), ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
@@ -147,10 +165,15 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     cfg = dict(LAUNCH) if launch is None else _settings(launch, "launch")
     rows = cfg.pop("rows_per_program")
     heads_first = cfg.pop("heads_first")
+    ring_tile = triton.next_power_of_2(max(n_off, 1))
+    merged_tile = triton.next_power_of_2(n_off + n_sinks + P)
+    merged = cfg.pop("merged") and merged_tile <= max(MERGED_ROWS, ring_tile)
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
     ring_decode_kernel[grid](
-        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows, BLOCK_O=triton.next_power_of_2(max(n_off, 1)),
+        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows,
+        BLOCK_O=merged_tile if merged else ring_tile,
         HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
-        EARLY=cfg.pop("early_loads"), **blocks,
+        EARLY=cfg.pop("early_loads"), MERGED=merged, ALIGN=_row_alignment(*tensors.values()) if merged else 1,
+        **blocks,
         **pdl_args(q.device), **cfg)
     return out
