@@ -93,12 +93,51 @@ def test_frechet_reference_and_paired_bootstrap():
         ref.distance_of(a[:, :5])
 
 
+def test_extrapolated_distance_removes_the_finite_sample_bias():
+    """FD-infinity: the least-squares fit d_inf + k / n over the seed's subsets (recomputed here with
+    scipy), and on Gaussians whose distance is known in closed form, nearer the truth than the raw
+    distance, which overestimates."""
+    from arsparse.eval.frechet import FrechetReference, extrapolated_distance
+
+    rng = np.random.default_rng(fresh_seed())
+    d = 48  # (close Gaussians, so the bias, about as large as the distance at 400 samples, dominates)
+    a_ = rng.normal(size=(d, d)) / d**0.5
+    s1 = a_ @ a_.T + 0.1 * np.eye(d)
+    mu1, mu2, s2 = np.zeros(d), rng.normal(size=d) * 0.1, 1.3 * s1
+    truth = scipy_frechet(mu1, s1, mu2, s2)
+    ref = FrechetReference(mu1, s1)
+    raw, inf = [], []
+    for k in range(6):
+        x = rng.multivariate_normal(mu2, s2, size=400)
+        raw.append(ref.distance_of(x))
+        inf.append(extrapolated_distance(x, ref, seed=k))
+    assert np.mean(raw) > 1.5 * truth  # (the bias)
+    assert abs(np.mean(inf) - truth) < abs(np.mean(raw) - truth) / 3
+    # the fit, directly: subsets of the sizes linspace(20, 40, 8) in the seed's permutations
+    x, seed = rng.normal(size=(40, 3)) * 1.5, 7
+    sizes = np.unique(np.linspace(20, 40, 8).round().astype(int))
+    perm = np.random.default_rng(seed)
+    dist = [scipy_frechet(*feature_stats(x[perm.permutation(40)[:n]]), np.zeros(3), np.eye(3)) for n in sizes]
+    slope, intercept = np.polyfit(1.0 / sizes, dist, 1)
+    got = extrapolated_distance(x, FrechetReference(np.zeros(3), np.eye(3)), seed=seed)
+    assert got == pytest.approx(intercept, rel=1e-6)
+    for bad in (dict(points=1), dict(smallest=1.0)):
+        with pytest.raises(ValueError, match="points >= 2 and smallest"):
+            extrapolated_distance(x, FrechetReference(np.zeros(3), np.eye(3)), **bad)
+
+
 def test_fd_bootstrap_setting_is_checked(capsys):
     for bad in (1, -2, True, 2.5):
         with pytest.raises(ValueError, match="fd_bootstrap is a number of resamples"):
             EvalConfig(fd_bootstrap=bad)
-    assert eval_main(["--sweep-rho", "0.2", "--fd-bootstrap", "50", "--quiet"]) == 2
-    assert "--fd-bootstrap applies to the eval, not to --sweep-rho" in capsys.readouterr().err
+    for flags in (["--fd-bootstrap", "50"], ["--fd-infinity"]):
+        assert eval_main(["--sweep-rho", "0.2", *flags, "--quiet"]) == 2
+        assert "--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho" in capsys.readouterr().err
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="fd_infinity is a bool"):
+            EvalConfig(fd_infinity=bad)
+    with pytest.raises(ValueError, match="fd_infinity needs num_samples >= 8"):
+        EvalConfig(fd_infinity=True, num_samples=5)
 
 
 # ---- teacher-forced metrics --------------------------------------------------------------------
@@ -262,7 +301,7 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
     cfg = EvalConfig(policies=names, policy_args=TINY_ARGS, match_budget=True, num_samples=14, nll_images=6,
                      batch_size=7, nll_batch=4, ref_images=30, grid_images=14, cfg_scale=2.0,
-                     seed=seed % 10_000, fd_bootstrap=20)
+                     seed=seed % 10_000, fd_bootstrap=20, fd_infinity=True)
     mob_path = find_mobilenet_weights()
     mob = MobileNetFeatures(load_mobilenet(), 32) if mob_path is not None else None
     res = evaluate(gpt, tok, cfg, heldout=heldout, classifier=load_classifier(), mobilenet=mob, out_dir=tmp_path,
@@ -282,6 +321,12 @@ def test_evaluate_end_to_end_tiny(tmp_path):
             assert ci[0] <= ci[1] and (ci[0] + ci[1]) / 2 == pytest.approx(r["fd_classifier_delta_pct"], abs=0.01)
     assert any(r["kl_to_dense"] > 1e-3 for r in saved["rows"][1:])
     assert "bootstrap resamples" in (tmp_path / "eval.md").read_text()
+    dense_inf = saved["rows"][0]["fd_classifier_inf"]  # (--fd-infinity: each distance extrapolated, and its gap)
+    for r in saved["rows"]:
+        assert np.isfinite(r["fd_classifier_inf"])
+        assert r["fd_classifier_inf_delta_pct"] == pytest.approx(100 * (r["fd_classifier_inf"] - dense_inf) / abs(dense_inf))
+    assert "∞:" in (tmp_path / "eval.md").read_text()
+    assert any("fd_classifier_inf extrapolates from subsets of 7 to 14" in n for n in saved["notes"])
     assert saved["fd_floor"]["classifier"] is not None
     # Same seeds and classes: a rerun of dense alone gives the same images (same grid pixels).
     res2 = evaluate(gpt, tok, EvalConfig(policies=["dense"], num_samples=14, nll_images=0, batch_size=14,
