@@ -34,7 +34,9 @@
 # grids.tar log.txt.
 # Knobs (environment): SAMPLES (1000), NLL_IMAGES (512), RHOS (0.06,0.09,0.12,0.18,0.25,0.35,0.5),
 # FD_BOOTSTRAP (0; e.g. 100: the eval's 95% intervals of the Fréchet gaps; 100 resamples of 1,000 MobileNetV2
-# features took 18 s per policy on 2 CPU cores), LIMIT (560), SWEEP_S (300), STAGES (check,sweep,eval: e.g.
+# features took 18 s per policy on 2 CPU cores), FD_INFINITY (0; 1: the eval's Fréchet distances also
+# extrapolated to infinitely many samples, whose gaps are not shrunk by the finite-sample bias: BENCHMARKS
+# session 12; wants SAMPLES of a few times 1,280, MobileNetV2's dimension), LIMIT (560), SWEEP_S (300), STAGES (check,sweep,eval: e.g.
 # STAGES=sweep SWEEP_S=500 gives a call to the
 # sweep alone), DTYPE (fp32), POLICIES, PYTHON (python3), OUT, EVAL_ARGS (more flags for
 # both runs; a CPU smoke test of this script: EVAL_ARGS="--device cpu --ref-images 200" SAMPLES=4 ...),
@@ -126,7 +128,8 @@ fi
 if want eval; then
     t=$(left); t=$(( t - 15 > 30 ? t - 15 : 30 ))
     stage eval "$t" "$PY" -m arsparse.cli eval "${common[@]}" --match-budget --num-samples "$SAMPLES" \
-        --batch-size 500 --fd-bootstrap "$FD_BOOTSTRAP" --out "$WORK/eval"
+        --batch-size 500 --fd-bootstrap "$FD_BOOTSTRAP" $([ "${FD_INFINITY:-0}" = 1 ] && echo --fd-infinity) \
+        --out "$WORK/eval"
     pack
 fi
 
