@@ -661,8 +661,8 @@ def write_report(result: dict, out_dir) -> None:
     if c.get("fd_infinity"):
         lines.append("- Fréchet distances after \"∞:\": extrapolated to infinitely many generated samples (a least-squares "
                      "fit of d_inf + k / n over random subsets of half to all of them, the same subsets for every "
-                     "policy; Chong & Forsyth 2020): the finite-sample bias, about the same for every policy, is "
-                     "removed from the relative gaps")
+                     "policy; Chong & Forsyth 2020): the bias of the generated samples' finite number, about the same "
+                     "for every policy, is removed from the relative gaps (the reference's is not)")
     lines += [f"- note: {n}" for n in result["notes"]]
     if not result.get("complete", True):
         lines.append("- **partial**: the run stopped before every policy was measured")

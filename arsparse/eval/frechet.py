@@ -118,7 +118,9 @@ def extrapolated_distance(features, ref: FrechetReference, points: int = 8, smal
     ``d_inf``. The subsets depend only on ``seed`` and n, so sets paired row by row take the same rows.
     The fit holds once the smallest subset has a few times more rows than the features have dimensions
     (Gaussians in 256 dimensions, true distance 117.5: from 1,000 samples 116.2, raw 129.9; from 250
-    samples 103-143). (The reference's own finite size still adds a little bias, the same for every model.)
+    samples 103-143). The reference's own finite size adds a bias too (about k / m for m reference
+    images: with 10,000 images in MobileNetV2 features about 1), the same for every model, which this
+    leaves in.
     """
     x = np.asarray(features, np.float64)
     if x.ndim != 2 or len(x) < 4 or points < 2 or not 0 < smallest < 1:
