@@ -36,6 +36,19 @@ def _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sc
 
 
 @triton.jit
+def _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S, n_read, k_read, v_read):
+    """The remainder entry: the running sums (past the sinks, the new token included) less the ``n_read``
+    ring entries read (their K and V sums ``k_read``, ``v_read``, (BD,) fp32), averaged -> its score
+    (-inf when nothing remains) and value."""
+    count = tl.maximum(i + 1 - S, 0) - n_read
+    n = tl.maximum(count, 1).to(tl.float32)
+    sum_off = b * ssum_b + hk * ssum_h + offs_d
+    k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - k_read) / n
+    v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - v_read) / n
+    return tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf")), v_e
+
+
+@triton.jit
 def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
                 ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
@@ -79,15 +92,11 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
     v = tl.where(new[:, None], vn.to(v.dtype)[None, :], v)
     s = tl.where(read, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))  # (BO,)
     m = tl.max(s, axis=0)
-    if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
-        count = tl.maximum(i + 1 - S, 0) - tl.sum(is_r.to(tl.int32), axis=0)
-        n = tl.maximum(count, 1).to(tl.float32)
-        sum_off = b * ssum_b + hk * ssum_h + offs_d
-        k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0)
-               - tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)) / n
-        v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0)
-               - tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)) / n
-        s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
+    if HAS_REST:
+        s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
+                              tl.sum(is_r.to(tl.int32), axis=0),
+                              tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0),
+                              tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0))
         m = tl.maximum(m, s_e)
     p = tl.exp(s - m)
     l = tl.sum(p, axis=0)
@@ -191,13 +200,10 @@ def ring_decode_kernel(
             s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
             s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
             m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
-            if HAS_REST:  # the remainder entry: the running sums less the ring entries read, averaged
-                count = tl.maximum(i + 1 - S, 0) - tl.sum(omask.to(tl.int32), axis=0)
-                n = tl.maximum(count, 1).to(tl.float32)
-                sum_off = b * ssum_b + hk * ssum_h + offs_d
-                k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - tl.sum(kr.to(tl.float32), axis=0)) / n
-                v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - tl.sum(vr.to(tl.float32), axis=0)) / n
-                s_e = tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf"))
+            if HAS_REST:
+                s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
+                                      tl.sum(omask.to(tl.int32), axis=0), tl.sum(kr.to(tl.float32), axis=0),
+                                      tl.sum(vr.to(tl.float32), axis=0))
                 m = tl.maximum(m, s_e)
             p_p = tl.exp(s_p - m)
             p_s = tl.exp(s_s - m)
