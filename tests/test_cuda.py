@@ -392,4 +392,3 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M, monkeypatch):
     plain = matvec(x, wqkv, norm=(nw, 1e-5)), matvec(gate, w2, residual=x)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
     assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5)), plain[0]) and torch.equal(matvec(gate, w2, residual=x), plain[1])
-

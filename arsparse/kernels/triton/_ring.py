@@ -187,7 +187,8 @@ def ring_decode_kernel(
             vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
             if EARLY:
                 wait_prior(PDL)
-                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d,
+                                         dmask)
             if not LATE_CAST:
                 kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
                 kr, vr = kr.to(tl.float32), vr.to(tl.float32)

@@ -62,8 +62,8 @@ def _row_alignment(*buffers: torch.Tensor) -> int:
 
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; the bools ``late_cast``, ``heads_first``, ``early_loads`` and ``merged`` take 1/0/true/false). For ``arsparse bench
-    --ring-launch``."""
+    (ints; the bools ``late_cast``, ``heads_first``, ``early_loads`` and ``merged`` take 1/0/true/false).
+    For ``arsparse bench --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
