@@ -369,3 +369,31 @@ def test_eval_cli_without_data(tmp_path, monkeypatch):
     # Bad input is a message, not a traceback.
     assert eval_main(["--model", "random-small", "--policies", "dense,nope", "--num-samples", "4",
                       "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+
+
+def test_eval_cli_fd_floor_zero_reads_no_training_split(tmp_path, monkeypatch, capsys):
+    """``--fd-floor 0``: no Fréchet floor, and the training split is never read (so a data folder that
+    travels with the held-out images alone will do); the default reads it for the floor."""
+    import arsparse.data.fashion as fashion
+    from arsparse.bundles import BUNDLES
+
+    try:
+        fashion.find_fashion_dir()
+    except fashion.FashionDataError as e:
+        pytest.skip(f"Fashion-MNIST not installed: {e}")
+    if not BUNDLES["fashion-c2i"].available:
+        pytest.skip("fashion-c2i weights not installed")
+    splits, real = [], fashion.load_fashion
+    monkeypatch.setattr(fashion, "load_fashion", lambda split, *a, **k: splits.append(split) or real(split, *a, **k))
+    args = ["--model", "fashion-c2i", "--policies", "dense", "--num-samples", "2", "--nll-images", "2",
+            "--ref-images", "30", "--grid-images", "0", "--no-mobilenet", "--device", "cpu", "--quiet"]
+    assert eval_main([*args, "--fd-floor", "-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "--fd-floor is a number of real training images" in capsys.readouterr().err
+    assert eval_main([*args, "--fd-floor", "0", "--out", str(tmp_path / "out")]) == 0
+    saved = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert "train" not in splits and "test" in splits
+    assert saved["nll_data"] == "real held-out images: Fashion-MNIST test split"
+    assert saved["fd_floor"]["classifier"] is None and saved["rows"][0]["fd_classifier"] > 0
+    assert eval_main([*args, "--out", str(tmp_path / "default")]) == 0
+    assert "train" in splits
+    assert json.loads((tmp_path / "default" / "eval.json").read_text())["fd_floor"]["classifier"] is not None

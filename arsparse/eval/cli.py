@@ -86,7 +86,9 @@ def cmd_eval(args) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
-    floor = args.num_samples if features else 0
+    if args.fd_floor is not None and args.fd_floor < 0:
+        raise ValueError(f"--fd-floor is a number of real training images (0: no floor), got {args.fd_floor}")
+    floor = (args.num_samples if args.fd_floor is None else args.fd_floor) if features else 0
     if dataset in ("fashion", "emoji"):
         try:
             if dataset == "fashion":
@@ -180,6 +182,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--fd-bootstrap", type=int, default=0, metavar="N",
                    help="resample the generated images N times (e.g. 200) for a 95%% interval of each Fréchet "
                         "distance's gap to dense, paired by seed (default 0: none)")
+    e.add_argument("--fd-floor", type=int, default=None, metavar="N",
+                   help="real training images for the Fréchet floor (the distance of real images to the "
+                        "reference; default: --num-samples; 0: no floor, and the training split is not read)")
     e.add_argument("--fd-infinity", action="store_true",
                    help="also each Fréchet distance extrapolated to infinitely many samples (Chong & Forsyth 2020): "
                         "without the finite-sample bias that shrinks relative gaps; needs samples of a few times "
