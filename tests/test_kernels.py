@@ -37,12 +37,21 @@ def _same(got: list, want: list) -> None:
     (3, 6, 3, 90, 100, "rows", 1),  # per row, one split (the output written directly)
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
 ])
-def test_decode_attention_writes_and_matches_reference(poisoned_empty, B, H, Hkv, S, D, pos, splits):
-    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.float32, S * 7 + D + B, DEVICE)
-    got = decode_attention(*inputs, num_splits=splits)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.cpu(), want, **TOL)
-    _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
+@pytest.mark.parametrize("fold", [0, 1], ids=["combine-launch", "folded"])
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, fold):
+    """``fold``: the last split of each (row, kv head) merges the splits (decode.FOLD_COMBINE); twice in a
+    row, since the folded kernel counts on a buffer that it must leave at zero for the next call."""
+    from arsparse.kernels.triton import decode
+
+    monkeypatch.setattr(decode, "FOLD_COMBINE", fold)
+    for _ in range(2):
+        inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.float32, S * 7 + D + B, DEVICE)
+        got = decode_attention(*inputs, num_splits=splits)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+        _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
+    if fold and splits and splits > 1:
+        assert not decode._COUNTERS[torch.device(DEVICE), B, Hkv].any()
 
 
 def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
@@ -190,12 +199,15 @@ PDL_PTX = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
 def test_dense_kernel_compiles_for_hopper():
     """The split and combine kernels' builds for sm_90 (see conftest.compile_for_hopper): the engine's,
     and with programmatic dependent launch (their PTX must hold its instructions)."""
-    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
+    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", CNT="*i32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
     base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
     builds = {"engine": (base, 2),
               "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2,
                                   PDL_PTX + ["ld.global before wait <= 0"]),
+              "folded-combine-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True, FOLD=True, BLOCK_S=16), 2,
+                                     PDL_PTX + ["atom.global.gpu.acq_rel.add"]),
+              "folded-gqa": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, DIRECT=False, FOLD=True, BLOCK_S=8), 4),
               "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4)}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}

@@ -58,12 +58,12 @@ def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constex
 
 @triton.jit
 def decode_split_kernel(
-    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
+    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT, CNT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
-    S, scale, chunk, D, P,
+    S, scale, chunk, D, P, splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -74,7 +74,9 @@ def decode_split_kernel(
     padding); a tile may then hold no readable position, so the running max is guarded.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
     (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
-    BENCHMARKS run 11.)
+    BENCHMARKS run 11.) ``FOLD`` (several splits): no combine launch; the last of a (row, kv head)'s
+    ``splits`` programs to store its partials (counted on CNT[b, hk], which it sets back to 0) merges
+    them (:func:`_combine`).
     """
     launch_next(PDL)
     wait_prior(PDL)
@@ -150,6 +152,32 @@ def decode_split_kernel(
         tl.store(O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :], acc, mask=hd_mask)
         tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
         tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
+        if FOLD:
+            tl.debug_barrier()  # the program's threads have all stored before the count
+            if tl.atomic_add(CNT + b * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                tl.debug_barrier()
+                _combine(O_PART, M_PART, L_PART, OUT, b, heads, gmask, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+                         splits, D, BLOCK_S, BLOCK_D)
+                tl.store(CNT + b * tl.num_programs(1) + hk, 0)  # (for the next step: no program counts here now)
+
+
+@triton.jit
+def _combine(O_PART, M_PART, L_PART, OUT, b, heads, hmask, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+             splits, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the splits of row ``b``'s ``heads`` (BH,) by their log-sum-exp weights into OUT."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = hmask[:, None] & (offs_s < splits)[None, :]  # (BH, BS)
+    ml_off = b * sm_b + heads[:, None] * sm_h + offs_s[None, :]
+    m = tl.load(M_PART + ml_off, mask=smask, other=float("-inf"))
+    l = tl.load(L_PART + ml_off, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=1)
+    w = tl.where(l > 0, tl.exp(m - m_max[:, None]), tl.zeros_like(l))  # empty splits (m = -inf) weigh nothing
+    acc = tl.load(O_PART + b * so_b + heads[:, None, None] * so_h + offs_s[None, :, None] * so_s
+                  + offs_d[None, None, :], mask=smask[:, :, None] & (offs_d < D)[None, None, :], other=0.0)
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.sum(l * w, axis=1)[:, None]  # (BH, BD)
+    tl.store(OUT + b * sout_b + heads[:, None] * sout_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=hmask[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
@@ -162,16 +190,6 @@ def combine_kernel(
     """Merge the splits of one (row, head) by their log-sum-exp weights (``PDL`` as the split kernel)."""
     launch_next(PDL)
     wait_prior(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < splits
-    m = tl.load(M_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=float("-inf"))
-    l = tl.load(L_PART + b * sm_b + h * sm_h + offs_s, mask=smask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - m_max), tl.zeros_like(l))  # empty splits (m = -inf) weigh nothing
-    acc = tl.load(O_PART + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
-                  mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + b * sout_b + h * sout_h + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
+    heads = tl.program_id(1) + tl.arange(0, 1)
+    _combine(O_PART, M_PART, L_PART, OUT, tl.program_id(0), heads, heads >= 0, so_b, so_h, so_s, sm_b, sm_h,
+             sout_b, sout_h, splits, D, BLOCK_S, BLOCK_D)

@@ -13,6 +13,11 @@ BLOCK_N = 128
 SMALL_BLOCK_N = 64
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
 SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
+#: 1: with several splits, the last split of each (row, kv head) merges them in the split kernel (no
+#: combine launch: one launch per layer fewer at batch 1, where the launches bound the step). Not yet
+#: timed on a GPU (``arsparse bench --variant fold=1``).
+FOLD_COMBINE = 0
+_COUNTERS: dict = {}  # (device, rows, kv heads) -> int32 zeros the folded kernel counts on (and resets)
 
 
 def _sms(device: torch.device) -> int:
@@ -121,6 +126,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     splits = -(-S // chunk)
     direct = splits == 1
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    fold = bool(FOLD_COMBINE) and not direct
+    if fold and (q.device, B, Hkv) not in _COUNTERS:
+        _COUNTERS[q.device, B, Hkv] = torch.zeros(B, Hkv, dtype=torch.int32, device=q.device)
+    counters = _COUNTERS[q.device, B, Hkv] if fold else pos
     if direct:  # the split kernel writes the output; no partials, no combine launch
         o_part = m_part = l_part = out.new_empty(1, 1, 1, dtype=torch.float32)
     else:
@@ -132,17 +141,17 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
-        o_part, m_part, l_part, out,
+        o_part, m_part, l_part, out, counters,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
-        S, scale, chunk, D, prompt_len,
+        S, scale, chunk, D, prompt_len, splits,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        **pdl_args(q.device), **SPLIT_LAUNCH,
+        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits), **pdl_args(q.device), **SPLIT_LAUNCH,
     )
-    if not direct:
+    if not direct and not fold:
         combine_kernel[(B, H)](
             o_part, m_part, l_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
