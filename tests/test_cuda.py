@@ -259,15 +259,17 @@ def test_masked_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, spli
 
 
 @pytest.mark.parametrize("variant", list(RING_VARIANTS))
-def test_masked_ring_kernel_matches_reference_bf16_on_gpu(variant):
-    """A t2i prompt with caption padding (NaN), GQA, head_dim 100, the remainder entry."""
+@pytest.mark.parametrize("P", [120, 8])
+def test_masked_ring_kernel_matches_reference_bf16_on_gpu(variant, P):
+    """A t2i prompt with caption padding (NaN), GQA, head_dim 100, the remainder entry. P=120 keeps the
+    prompt's own tile (ring.MERGED_ROWS); P=8 fits diagonal's one tile with the ring entries and sinks."""
     from arsparse.kernels.reference import ring_decode_attention_ref
     from arsparse.kernels.triton import ring_decode_attention
     from arsparse.layout import Layout
     from arsparse.policies import get
     from conftest import random_ring_case, row_positions
 
-    P, H, Hkv, D, B = 120, 24, 8, 100, 16
+    H, Hkv, D, B = 24, 8, 100, 16
     lay, pol = Layout(P, 16, 16), get("diagonal")
     offsets = pol.offset_table(lay, 1, H)[0]
     W, S = pol.window(lay, 1, H), pol.sink_count(lay)

@@ -122,7 +122,7 @@ def test_extrapolated_distance_removes_the_finite_sample_bias():
     got = extrapolated_distance(x, FrechetReference(np.zeros(3), np.eye(3)), seed=seed)
     assert got == pytest.approx(intercept, rel=1e-6)
     for bad in (dict(points=1), dict(smallest=1.0)):
-        with pytest.raises(ValueError, match="points >= 2 and smallest"):
+        with pytest.raises(ValueError, match="points >= 2 and smallest in"):
             extrapolated_distance(x, FrechetReference(np.zeros(3), np.eye(3)), **bad)
 
 

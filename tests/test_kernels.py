@@ -51,7 +51,7 @@ def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypat
         torch.testing.assert_close(got.cpu(), want, **TOL)
         _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
     if fold and splits and splits > 1:
-        assert not decode._COUNTERS[torch.device(DEVICE), B, Hkv].any()
+        assert not decode._counters(inputs[0].device, B, Hkv).any()
 
 
 def test_few_row_head_pairs_take_the_small_tile_and_more_splits():

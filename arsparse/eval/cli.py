@@ -65,6 +65,8 @@ def cmd_eval(args) -> int:
         raise ValueError("--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho")
     if not sweeping and args.sweep_frechet:
         raise ValueError("--sweep-frechet needs --sweep-rho")
+    if args.fd_floor is not None and args.fd_floor < 0:
+        raise ValueError(f"--fd-floor is a number of real training images (0: no floor), got {args.fd_floor}")
     if not 0 <= args.sweep_tolerance < 100:
         raise ValueError(f"--sweep-tolerance is a percentage in [0, 100), got {args.sweep_tolerance}")
     features = not sweeping or args.sweep_frechet  # generation, Fréchet distances and class accuracy
@@ -86,8 +88,6 @@ def cmd_eval(args) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
-    if args.fd_floor is not None and args.fd_floor < 0:
-        raise ValueError(f"--fd-floor is a number of real training images (0: no floor), got {args.fd_floor}")
     floor = (args.num_samples if args.fd_floor is None else args.fd_floor) if features else 0
     if dataset in ("fashion", "emoji"):
         try:

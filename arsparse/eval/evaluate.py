@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .forcing import forced_logits
-from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance
+from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance, subset_sizes
 
 __all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget", "prepare_bench", "sampled_quality",
            "evaluate", "teacher_forced_metrics", "write_report",
@@ -342,7 +342,7 @@ def _save_grid(images: torch.Tensor, path: Path, nrow: int) -> None:
 
 
 def _delta(x, ref):
-    if x is None or ref is None or ref == 0:
+    if x is None or ref is None or ref <= 0:  # (a distance extrapolated from few samples may fall to or below 0)
         return None
     return 100.0 * (x - ref) / abs(ref)
 
@@ -552,24 +552,29 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     boot = {}  # policy -> metric -> bootstrap distances
+    inf_metrics = tuple(f"{m}_inf" for m in FRECHET.values()) if cfg.fd_infinity else ()
     for name, pol in prepared.items():
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
                                   progress, cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
         _note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)
+        for m in inf_metrics:
+            note = f"{m} of dense is not above 0: no relative gaps for it (too few samples to extrapolate from)"
+            if name == "dense" and q.get(m) is not None and q[m] <= 0 and note not in notes:
+                notes.append(note)
         b = budgets[name]
         row = dict(policy=name, params=pol.params(), source=type(pol).source,
                    budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
                    **{k: forced.get(name, {}).get(k) for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")},
                    **{m: q[m] for m in FRECHET.values()},
-                   **({f"{m}_inf": q.get(f"{m}_inf") for m in FRECHET.values()} if cfg.fd_infinity else {}),
+                   **{m: q.get(m) for m in inf_metrics},
                    class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
             gpath = out / f"grid-{name}.png"
             _save_grid(grid, gpath, nrow=min(mcfg.num_classes, 16))
             row["grid"] = gpath.name
-        for m in METRICS + (tuple(f"{m}_inf" for m in FRECHET.values()) if cfg.fd_infinity else ()):  # dense first
+        for m in METRICS + inf_metrics:  # dense runs first
             row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
         for m in FRECHET.values():  # (a 95 % interval of the gap, with --fd-bootstrap)
             ok = name != "dense" and m in boot[name] and m in boot["dense"] and row[f"{m}_delta_pct"] is not None
@@ -584,13 +589,16 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
 
 
 def _note_infinity(dims: dict, n: int, notes: list) -> None:
-    """Say (once) where the extrapolation to infinitely many samples starts from subsets (half the
-    samples) of fewer than twice the features' dimension: there the 1/n fit is off (on Gaussians in 256
-    dimensions, 250 samples: 143 for a true 117.5; 1,000: 116.2)."""
+    """Say (once) where the extrapolation to infinitely many samples starts from subsets of fewer than
+    twice the features' dimension: there the 1/n fit is off (on Gaussians in 256 dimensions, 250
+    samples: 143 for a true 117.5; 1,000: 116.2)."""
+    if not dims:  # (no extrapolation asked for)
+        return
+    smallest = subset_sizes(n)[0]
     for metric, d in dims.items():
-        note = (f"{metric}_inf extrapolates from subsets of {n // 2} to {n} samples of {d}-dimensional features: "
+        note = (f"{metric}_inf extrapolates from subsets of {smallest} to {n} samples of {d}-dimensional features: "
                 f"below 2 x {d} rows the 1/n fit is unreliable; use more samples")
-        if n // 2 < 2 * d and note not in notes:
+        if smallest < 2 * d and note not in notes:
             notes.append(note)
 
 

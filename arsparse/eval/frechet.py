@@ -16,7 +16,7 @@ from statistics import NormalDist
 import numpy as np
 
 __all__ = ["FrechetReference", "bootstrap_distances", "delta_interval", "extrapolated_distance", "feature_stats",
-           "frechet_distance", "frechet_from_features"]
+           "frechet_distance", "frechet_from_features", "subset_sizes"]
 
 
 def feature_stats(features) -> tuple[np.ndarray, np.ndarray]:
@@ -106,6 +106,17 @@ def delta_interval(distances, base_distances, gap: float, level: float = 0.95) -
     return float(gap - half), float(gap + half)
 
 
+def subset_sizes(n: int, points: int = 8, smallest: float = 0.5) -> np.ndarray:
+    """The subset sizes :func:`extrapolated_distance` fits over: ``points`` evenly spaced from ``smallest * n``
+    (at least 2) to ``n``, distinct."""
+    if n < 4 or points < 2 or not 0 < smallest < 1:
+        raise ValueError(f"need n >= 4 rows, points >= 2 and smallest in (0, 1), got {n}, {points}, {smallest}")
+    sizes = np.unique(np.linspace(max(2, round(smallest * n)), n, points).round().astype(int))
+    if len(sizes) < 2:
+        raise ValueError(f"{n} rows give fewer than 2 distinct subset sizes")
+    return sizes
+
+
 def extrapolated_distance(features, ref: FrechetReference, points: int = 8, smallest: float = 0.5,
                           seed: int = 0) -> float:
     """The Fréchet distance to ``ref`` extrapolated to infinitely many generated samples (the "FD-infinity"
@@ -123,12 +134,9 @@ def extrapolated_distance(features, ref: FrechetReference, points: int = 8, smal
     leaves in.
     """
     x = np.asarray(features, np.float64)
-    if x.ndim != 2 or len(x) < 4 or points < 2 or not 0 < smallest < 1:
-        raise ValueError(f"need (n >= 4, d) features, points >= 2 and smallest in (0, 1), got {x.shape}, "
-                         f"{points}, {smallest}")
-    sizes = np.unique(np.linspace(max(2, round(smallest * len(x))), len(x), points).round().astype(int))
-    if len(sizes) < 2:
-        raise ValueError(f"{len(x)} rows give fewer than 2 distinct subset sizes")
+    if x.ndim != 2:
+        raise ValueError(f"need (n, d) features, got shape {x.shape}")
+    sizes = subset_sizes(len(x), points, smallest)
     rng = np.random.default_rng(seed)
     dist = [ref.distance_of(x[rng.permutation(len(x))[:n]]) for n in sizes]
     design = np.stack([np.ones(len(sizes)), 1.0 / sizes], axis=1)

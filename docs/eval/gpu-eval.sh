@@ -58,6 +58,8 @@ unset ARSPARSE_MOBILENET
 PY=${PYTHON:-python3}
 LIMIT=${LIMIT:-560} SWEEP_S=${SWEEP_S:-300}
 SAMPLES=${SAMPLES:-1000} NLL_IMAGES=${NLL_IMAGES:-512} DTYPE=${DTYPE:-fp32} FD_BOOTSTRAP=${FD_BOOTSTRAP:-0}
+FD_INFINITY=${FD_INFINITY:-0}
+case "$FD_INFINITY" in 0|1) ;; *) echo "gpu-eval: FD_INFINITY is 0 or 1, got '$FD_INFINITY'" >&2; exit 2 ;; esac
 RHOS=${RHOS:-0.06,0.09,0.12,0.18,0.25,0.35,0.5}
 POLICIES=${POLICIES:-dense,diagonal,streaming,h2o,tova,lines,headkv,adsa}
 STAGES=,${STAGES:-check,sweep,eval},
@@ -128,7 +130,7 @@ fi
 if want eval; then
     t=$(left); t=$(( t - 15 > 30 ? t - 15 : 30 ))
     stage eval "$t" "$PY" -m arsparse.cli eval "${common[@]}" --match-budget --num-samples "$SAMPLES" \
-        --batch-size 500 --fd-bootstrap "$FD_BOOTSTRAP" $([ "${FD_INFINITY:-0}" = 1 ] && echo --fd-infinity) \
+        --batch-size 500 --fd-bootstrap "$FD_BOOTSTRAP" $([ "$FD_INFINITY" = 1 ] && echo --fd-infinity) \
         --out "$WORK/eval"
     pack
 fi

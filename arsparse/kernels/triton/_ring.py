@@ -121,8 +121,9 @@ def ring_decode_kernel(
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
-    the sinks written so far and the ring slots of pos - offsets, each in one 2-D tile (rows, BD).
-    The last query head of each kv head writes the new token.
+    the sinks written so far and the ring slots of pos - offsets: all in one 2-D tile (entries, BD)
+    with ``MERGED``, else each in a tile of its own. The last query head of each kv head writes the
+    new token.
 
     ``HEADS_FIRST``: the grid is (heads, row blocks), so programs launched together share a row
     (whose heads' K/V are adjacent in memory) rather than a head.
@@ -135,8 +136,8 @@ def ring_decode_kernel(
     a row's gathers (prompt, sinks, ring entries other than the new token's slot: all written by
     earlier steps or the prefill, which ordinary launches at each step boundary have finished; its
     position likewise), and before anything the step writes (the query, the new token, the sums).
-    ``MERGED``: the prompt, the sinks and the ring entries of a row in one tile (:func:`_merged_row`)
-    instead of three tiles and three softmax terms (``ALIGN``: see there).
+    ``MERGED``: that one tile and one softmax (:func:`_merged_row`; ``ALIGN``: see there) instead of
+    three tiles and three softmax terms.
     """
     launch_next(PDL)
     h = tl.program_id(0 if HEADS_FIRST else 1)

@@ -17,7 +17,16 @@ SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 #: combine launch: one launch per layer fewer at batch 1, where the launches bound the step). Not yet
 #: timed on a GPU (``arsparse bench --variant fold=1``).
 FOLD_COMBINE = 0
-_COUNTERS: dict = {}  # (device, rows, kv heads) -> int32 zeros the folded kernel counts on (and resets)
+_COUNTERS: dict = {}  # (device, stream, rows, kv heads) -> int32 zeros the folded kernel counts on (and resets)
+
+
+def _counters(device: torch.device, rows: int, kv_heads: int) -> torch.Tensor:
+    """The folded split kernel's counters for ``rows`` x ``kv_heads``: one buffer per CUDA stream, since
+    launches on two streams (``--streams 2``: two half batches of the same shape) may run at once."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, rows, kv_heads)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(rows, kv_heads, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _sms(device: torch.device) -> int:
@@ -127,9 +136,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     direct = splits == 1
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     fold = bool(FOLD_COMBINE) and not direct
-    if fold and (q.device, B, Hkv) not in _COUNTERS:
-        _COUNTERS[q.device, B, Hkv] = torch.zeros(B, Hkv, dtype=torch.int32, device=q.device)
-    counters = _COUNTERS[q.device, B, Hkv] if fold else pos
+    counters = _counters(q.device, B, Hkv) if fold else pos
     if direct:  # the split kernel writes the output; no partials, no combine launch
         o_part = m_part = l_part = out.new_empty(1, 1, 1, dtype=torch.float32)
     else:
@@ -149,7 +156,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len, splits,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits), **pdl_args(q.device), **SPLIT_LAUNCH,
+        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits) if fold else 1, **pdl_args(q.device), **SPLIT_LAUNCH,
     )
     if not direct and not fold:
         combine_kernel[(B, H)](
