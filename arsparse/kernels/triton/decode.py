@@ -154,7 +154,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
-        S, scale, chunk, D, prompt_len, splits,
+        S, scale, chunk, D, prompt_len, splits if fold else 0,  # (0: no new specialisations unfolded)
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
         FOLD=fold, BLOCK_S=triton.next_power_of_2(splits) if fold else 1, **pdl_args(q.device), **SPLIT_LAUNCH,
     )
