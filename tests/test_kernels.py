@@ -106,6 +106,7 @@ def test_decode_attention_rejects_bad_input():
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
     (3, 8, 1, 1, 0, 7, 128),  # MQA, no sinks, head_dim 128 (fewer rows than a block of 4)
     (1, 2, 2, 1, 1, 6, 64),  # one row
+    (2, 4, 2, 70, 2, 9, 64),  # a long prompt: past ring.MERGED_ROWS in one tile, so three tiles even merged
 ])
 def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     g = torch.Generator().manual_seed(B * 1000 + W * 10 + D)
