@@ -10,6 +10,37 @@ from arsparse.models.config import gpt_config
 from arsparse.models.gpt import GPT
 
 
+def _interpreter_dot_takes_bf16_as_numbers() -> None:
+    """Triton's interpreter (3.6-3.9) multiplies bf16 dot operands as the integers that hold their bits
+    (numpy has no bf16): convert them to fp32 first, as the tensor cores read them. Kernels with
+    ``tl.dot`` on bf16 tiles (the ring kernel's ``dot`` launch) are then checked in bf16 on the CPU."""
+    if "triton.language" not in sys.modules:  # (imported first here, before a test module sets
+        return  # TRITON_INTERPRET, triton's own jit functions would not run in the interpreter)
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or getattr(builder.create_dot, "_bf16_fixed", False):
+        return
+    plain = builder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kw):
+        def f32(x):
+            if x.dtype.scalar == tl.bfloat16 and x.data.dtype == np.uint16:
+                return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return x
+        return plain(self, f32(a), f32(b), d, *args, **kw)
+
+    create_dot._bf16_fixed = True
+    builder.create_dot = create_dot
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bf16_dot_in_the_interpreter():
+    _interpreter_dot_takes_bf16_as_numbers()  # (after collection: the test modules have imported triton)
+
+
 def random_gpt(model_type="c2i", image_tokens=16, seed=0, **kw) -> GPT:
     """A tiny GPT with fresh random weights large enough to give peaked, position-dependent logits."""
     torch.manual_seed(seed)

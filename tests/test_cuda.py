@@ -146,6 +146,8 @@ RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, bloc
     "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
     "three-tiles": dict(merged=False),
     "merged-late-nw2": dict(late_cast=True, num_warps=2),
+    "dot": dict(dot=True),
+    "dot-rows2-nw2": dict(dot=True, rows_per_program=2, num_warps=2),
 }
 
 
@@ -388,6 +390,27 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, me
     assert torch.equal(gen.sample_tokens(cond, seed=5, cfg_scale=2.0), want)
     assert gen._runner.graph is not None
     assert torch.equal(gen.cached_logits(cond, tokens), want_logits)
+
+
+@pytest.mark.parametrize("policy", [None, "diagonal", "diagonal:remainder=1"])
+def test_tensor_core_decode_kernels_in_the_engine_on_gpu(policy, monkeypatch):
+    """decode.DOT and ring.LAUNCH["dot"]: the decode kernels' products on tensor cores (probabilities in
+    bf16, as FlashAttention). The whole engine in bf16, MHA and GQA, graph-captured steps: the
+    teacher-forced logits within bf16 noise of the default kernels' (the same argmax almost everywhere)."""
+    from arsparse.kernels.triton import decode, ring
+
+    for kv in (None, 2):
+        model = random_gpt("c2i", seed=18, image_tokens=256, **({} if kv is None else dict(n_kv_head=kv)))
+        cond = random_cond(model, 4)
+        tokens = torch.randint(0, model.config.vocab_size, (4, 256))
+        make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy)  # noqa: E731
+        want = make().cached_logits(cond, tokens).float()
+        monkeypatch.setattr(decode, "DOT", 1)
+        monkeypatch.setitem(ring.LAUNCH, "dot", True)
+        got = make().cached_logits(cond, tokens).float()
+        assert (got - want).norm() / want.norm() < 2e-2
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("M", [1, 2, 16])

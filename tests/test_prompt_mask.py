@@ -190,7 +190,11 @@ def test_guided_sampling_masks_the_unconditional_rows_too():
     (3, 4, 4, 90, 32, 7, "rows", 1),  # one split: the output written directly
     (3, 8, 1, 200, 64, 130, 180, 2),  # MQA, one position for every row
 ])
-def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, B, H, Hkv, S, D, P_, pos, splits):
+@pytest.mark.parametrize("dot", [0, 1], ids=["", "dot"])
+def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, monkeypatch, B, H, Hkv, S, D, P_, pos, splits, dot):
+    from arsparse.kernels.triton import decode
+
+    monkeypatch.setattr(decode, "DOT", dot)  # (dot: the products on tensor cores; tiles of padding only)
     g = torch.Generator().manual_seed(S + P_)
     q, k_new, v_new = (torch.randn(B, h, D, generator=g) for h in (H, Hkv, Hkv))
     kc, vc = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))

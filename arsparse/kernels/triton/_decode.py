@@ -32,10 +32,24 @@ def _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask):
 
 
 @triton.jit
-def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constexpr):
+def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constexpr, DOT: tl.constexpr = False,
+                 scale=1.0, IEEE: tl.constexpr = False):
     """One tile (BN, BD) into an online softmax. ``MHA``: one query vector q (BD,), scalar running max
     and sum, (BD,) accumulator; else the group's q (BG, BD), (BG,) max and sum, (BG, BD) accumulator.
-    ``GUARD``: the tile may hold no readable key (see :func:`_finite_max`)."""
+    ``GUARD``: the tile may hold no readable key (see :func:`_finite_max`). ``DOT``: the group's
+    unscaled q in the cache's dtype (BG >= 16 rows, zeros past the group) and the two products on
+    tensor cores, the probabilities in the cache's dtype (as FlashAttention); ``IEEE``: fp32 tiles
+    multiply in full fp32, not tf32."""
+    if DOT:
+        prec: tl.constexpr = "ieee" if IEEE else "tf32"
+        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k), input_precision=prec) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = _finite_max(m_new, GUARD)
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=prec)
+        return m_new, l, acc
     k, v = k.to(tl.float32), v.to(tl.float32)
     if MHA:  # 2-D tiles keep the reductions cheap
         s = tl.where(nmask, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BN,)
@@ -64,6 +78,7 @@ def decode_split_kernel(
     S, scale, chunk, D, P, splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -76,14 +91,15 @@ def decode_split_kernel(
     (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
     BENCHMARKS run 11.) ``FOLD`` (several splits): no combine launch; the last of a (row, kv head)'s
     ``splits`` programs to store its partials (counted on CNT[b, hk], which it sets back to 0) merges
-    them (:func:`_combine`).
+    them (:func:`_combine`). ``DOT``: the products on tensor cores (BLOCK_G >= 16; see
+    :func:`_attend_tile`); positions in 32 bits either way.
     """
     launch_next(PDL)
     wait_prior(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
-    pos = tl.load(POS + b * spos)
+    pos = tl.load(POS + b * spos).to(tl.int32)
     lo = 0
     hi = 0
     if HAS_SPAN:
@@ -101,9 +117,9 @@ def decode_split_kernel(
     heads = hk * G + offs_g
     k_base = K + b * sk_b + hk * sk_h
     v_base = V + b * sv_b + hk * sv_h
-    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
-    q = (q * scale).to(tl.float32)  # scale may arrive as fp64 from torch.compile
+    q_raw = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # (BG, BD)
+    q = (q_raw.to(tl.float32) * scale).to(tl.float32)  # scale may arrive as fp64 from torch.compile
 
     wmask = tl.where(own, dmask, False)  # (not `dmask & own`: the interpreter mistypes block & scalar)
     kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=wmask, other=0.0)  # (BD,)
@@ -116,7 +132,7 @@ def decode_split_kernel(
         l = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
         acc = tl.zeros((BLOCK_D,), tl.float32)
     else:
-        qt = q
+        qt = q_raw if DOT else q
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -124,7 +140,7 @@ def decode_split_kernel(
         n = n_start + offs_n
         nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
         k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
-        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA)
+        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, scale, IEEE)
     if MHA:  # (back to the group's shapes)
         m = tl.zeros((BLOCK_G,), tl.float32) + m
         l = tl.zeros((BLOCK_G,), tl.float32) + l

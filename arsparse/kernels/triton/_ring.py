@@ -19,6 +19,10 @@ row loop that issued the next row's loads first (by hand) and the offsets in two
 sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this form (run 7). Since run
 12 a row's prompt, sinks and ring entries share one tile (``MERGED``: fewer instructions, one softmax;
 diagonal at batch 256 3.94 -> 3.74-3.80 ms per step); a long caption prompt keeps the three tiles.
+Since session 13 the one-tile form leaves the new token's slot out of the gather and adds the token
+as one term (no select per element), and positions and offsets are 32-bit (an int64 remainder is a
+call): the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,496 and 168
+(not yet timed). ``DOT``: the products on tensor cores (off until timed).
 """
 import triton
 import triton.language as tl
@@ -49,18 +53,15 @@ def _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S, n_read
 
 
 @triton.jit
-def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
-                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
-                ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
-                HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, ALIGN: tl.constexpr):
-    """Row ``b``'s read set in one tile (BO, BD): entry j < n_off is the ring entry at offset o[j], the
+def _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
+                   sr_b, sr_h, sr_s, P, S, W, n_off, offs_d, dmask, HAS_SPAN: tl.constexpr, ALIGN: tl.constexpr):
+    """Row ``b``'s read set as one tile (BO, BD): entry j < n_off is the ring entry at offset o[j], the
     next S entries the sinks, the next P the prompt (BO >= n_off + S + P), each row's address taken
-    from its own buffer; one softmax over the tile. Returns the unnormalised output (BD,), its sum,
-    and the new token's K/V (for the caller's cache write). ``ALIGN``: every row of the three buffers
-    starts at a multiple of ALIGN bytes (the launch computes it)."""
-    if not EARLY:
-        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    from its own buffer. Entries that hold the new token (offset 0; offset W, the slot it overwrites;
+    its sink) are not loaded: the caller adds the token from registers, one term counted as often as
+    they are read. Returns K and V (cache dtype; unread and new rows 0), which entries are ring
+    entries (BO,), which hold the new token, and which were loaded. ``ALIGN``: every row of the three
+    buffers starts at a multiple of ALIGN bytes (the launch computes it)."""
     kpos = pos - o  # ring entries (j < n_off): image positions past the sinks
     is_r = (o >= 0) & (kpos >= P + S)
     slot = tl.where(is_r, (kpos - P) % W, 0)
@@ -70,41 +71,91 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
     is_p = (jo >= n_off + S) & (jp < P)
     if HAS_SPAN:
         is_p = is_p & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
-    new = (is_r & (slot == i % W)) | (is_s & (js == i))  # the slot this step writes: from registers
-    read = is_r | is_s | is_p
+    new = (is_r & (slot == i % W)) | (is_s & (js == i))  # the slot this step writes
+    old = (is_r | is_s | is_p) & ~new
     r_off = b * sr_b + hk * sr_h + slot * sr_s
     s_off = b * ss_b + hk * ss_h + js * ss_s
     p_off = b * sp_b + hk * sp_h + jp * sp_s
-    kptr = tl.where(is_r, RK + r_off, tl.where(is_s, SK + s_off, PK + p_off))  # (BO,)
-    vptr = tl.where(is_r, RV + r_off, tl.where(is_s, SV + s_off, PV + p_off))
     # (a select of pointers loses what the compiler knows of their alignment: restated, or 2-byte loads)
-    kptr = tl.multiple_of(kptr, ALIGN)
-    vptr = tl.multiple_of(vptr, ALIGN)
-    lmask = (read & ~new)[:, None] & dmask[None, :]
+    kptr = tl.multiple_of(tl.where(is_r, RK + r_off, tl.where(is_s, SK + s_off, PK + p_off)), ALIGN)  # (BO,)
+    vptr = tl.multiple_of(tl.where(is_r, RV + r_off, tl.where(is_s, SV + s_off, PV + p_off)), ALIGN)
+    lmask = old[:, None] & dmask[None, :]
     k = tl.load(kptr[:, None] + offs_d[None, :], mask=lmask, other=0.0)  # (BO, BD)
     v = tl.load(vptr[:, None] + offs_d[None, :], mask=lmask, other=0.0)
+    return k, v, is_r, new, old
+
+
+@triton.jit
+def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
+                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
+                ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
+                HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
+                EARLY: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """Row ``b``'s read set in one tile (:func:`_merged_gather`) and one softmax over it and the new
+    token. Returns the unnormalised output and its sum, (BD,) and a scalar, or with ``DOT`` (16, BD)
+    and (16,) whose row 0 is the row's; and the new token's K/V (for the caller's cache write).
+
+    ``DOT``: the two products on tensor cores: the query is row 0 of a (16, BD) tile (mma needs 16
+    rows; rows 1-15 are zeros, computed and never stored), the gathered tiles go to the products in
+    the cache's dtype (no conversion per element), the probabilities too (as FlashAttention does),
+    fp32 accumulation; scores in log2 units (scale and log2(e) in one multiply-add with the shift).
+    ``IEEE``: fp32 tiles multiply in full fp32, not tf32."""
+    if not EARLY:
+        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    k, v, is_r, new, old = _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_h, sp_s,
+                                          ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, P, S, W, n_off, offs_d, dmask,
+                                          HAS_SPAN, ALIGN)
     if EARLY:
         wait_prior(PDL)
         q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
-    if not LATE_CAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    k = tl.where(new[:, None], kn.to(k.dtype)[None, :], k)
-    v = tl.where(new[:, None], vn.to(v.dtype)[None, :], v)
-    s = tl.where(read, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))  # (BO,)
-    m = tl.max(s, axis=0)
-    if HAS_REST:
+    LOG2E: tl.constexpr = 1.4426950408889634
+    n_new = tl.sum(new.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
+    u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))  # log2 units
+    if DOT:
+        prec: tl.constexpr = "ieee" if IEEE else "tf32"
+        rows = tl.arange(0, 16)
+        q_raw = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0)  # (BD,) unscaled
+        qm = tl.where((rows == 0)[:, None], q_raw[None, :], 0.0).to(k.dtype)  # (16, BD)
+        s = tl.where(old[None, :], tl.dot(qm, tl.trans(k), input_precision=prec), float("-inf"))  # (16, BO)
+        c = scale * LOG2E
+        m = tl.maximum(tl.max(s, axis=1) * c, u_new)  # (16,)
+    else:
+        if not LATE_CAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.where(old, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # (BO,)
+        m = tl.maximum(tl.max(s, axis=0), u_new)
+    if HAS_REST:  # the remainder entry, less the ring entries read (the new token's as often as read)
+        n_new_r = tl.sum((is_r & new).to(tl.float32), axis=0)
+        if DOT:
+            ring_old = tl.where((rows == 0)[:, None] & (is_r & old)[None, :], 1.0, 0.0).to(k.dtype)  # (16, BO)
+            k_read = tl.sum(tl.dot(ring_old, k, input_precision=prec), axis=0)
+            v_read = tl.sum(tl.dot(ring_old, v, input_precision=prec), axis=0)
+        else:
+            k_read = tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)
+            v_read = tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)
         s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
-                              tl.sum(is_r.to(tl.int32), axis=0),
-                              tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0),
-                              tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0))
-        m = tl.maximum(m, s_e)
-    p = tl.exp(s - m)
-    l = tl.sum(p, axis=0)
-    acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0)  # (BD,)
-    if HAS_REST:
-        p_e = tl.exp(s_e - m)
-        l = l + p_e
-        acc = acc + p_e * v_e
+                              tl.sum(is_r.to(tl.int32), axis=0), k_read + n_new_r * kn.to(tl.float32),
+                              v_read + n_new_r * vn.to(tl.float32))
+        u_e = s_e * LOG2E
+        m = tl.maximum(m, u_e)
+    if DOT:
+        p = tl.exp2(s * c - m[:, None])  # (16, BO)
+        p_new = n_new * tl.exp2(u_new - m)  # (16,)
+        l = tl.sum(p, axis=1) + p_new
+        acc = tl.dot(p.to(v.dtype), v, input_precision=prec) + p_new[:, None] * vn.to(tl.float32)[None, :]
+        if HAS_REST:
+            p_e = tl.exp2(u_e - m)
+            l = l + p_e
+            acc = acc + p_e[:, None] * v_e[None, :]
+    else:
+        p = tl.exp2(s - m)
+        p_new = n_new * tl.exp2(u_new - m)
+        l = tl.sum(p, axis=0) + p_new
+        acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0) + p_new * vn.to(tl.float32)  # (BD,)
+        if HAS_REST:
+            p_e = tl.exp2(u_e - m)
+            l = l + p_e
+            acc = acc + p_e * v_e
     return acc, l, kn, vn
 
 
@@ -117,7 +168,7 @@ def ring_decode_kernel(
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1,
+    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -137,7 +188,7 @@ def ring_decode_kernel(
     earlier steps or the prefill, which ordinary launches at each step boundary have finished; its
     position likewise), and before anything the step writes (the query, the new token, the sums).
     ``MERGED``: that one tile and one softmax (:func:`_merged_row`; ``ALIGN``: see there) instead of
-    three tiles and three softmax terms.
+    three tiles and three softmax terms; ``DOT`` (with it): its products on tensor cores.
     """
     launch_next(PDL)
     h = tl.program_id(0 if HEADS_FIRST else 1)
@@ -146,7 +197,8 @@ def ring_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     jo = tl.arange(0, BLOCK_O)
-    o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1)  # (BO,) this head's backward offsets
+    # (BO,) this head's backward offsets; offsets and positions in 32 bits (int64 remainders are a call)
+    o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1).to(tl.int32)
     if not EARLY:
         wait_prior(PDL)
     jp = tl.arange(0, BLOCK_P)
@@ -155,13 +207,13 @@ def ring_decode_kernel(
         row = block * ROWS + r
         live = row < B
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
-        pos = tl.load(POS + b * spos)
+        pos = tl.load(POS + b * spos).to(tl.int32)
         i = pos - P  # image index of the query
         if MERGED:
             acc, l, kn, vn = _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos,
                                          i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h,
                                          ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
-                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN)
+                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, DOT, IEEE)
         else:
             if not EARLY:
                 q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d,
@@ -218,7 +270,12 @@ def ring_decode_kernel(
                 l = l + p_e
                 acc = acc + p_e * v_e
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
-        tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
+        if DOT:  # row 0 of the (16, BD) tile
+            rows = tl.arange(0, 16)
+            tl.store(OUT + b * sout_b + h * sout_h + rows[:, None] * 0 + offs_d[None, :],
+                     (acc * (1.0 / l)[:, None]).to(OUT.dtype.element_ty), mask=(rows == 0)[:, None] & omask_d[None, :])
+        else:
+            tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
         w_off = b * sr_b + hk * sr_h + (i % W) * sr_s + offs_d
         tl.store(RK + w_off, kn, mask=wmask)

@@ -17,6 +17,9 @@ SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
 #: combine launch: one launch per layer fewer at batch 1, where the launches bound the step). Not yet
 #: timed on a GPU (``arsparse bench --variant fold=1``).
 FOLD_COMBINE = 0
+#: 1: the split kernel's two products on tensor cores (the group's queries padded to 16 rows; sm_90
+#: build of the engine's form: see BENCHMARKS). Not yet timed (``arsparse bench --variant dense_dot=1``).
+DOT = 0
 _COUNTERS: dict = {}  # (device, stream, rows, kv heads) -> int32 zeros the folded kernel counts on (and resets)
 
 
@@ -144,7 +147,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
     block_d = triton.next_power_of_2(D)
-    block_g = max(1, triton.next_power_of_2(G))
+    block_g = max(16 if DOT else 1, triton.next_power_of_2(G))  # (tensor-core products: 16 rows at least)
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
@@ -156,7 +159,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len, splits if fold else 0,  # (0: no new specialisations unfolded)
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits) if fold else 1, **pdl_args(q.device), **SPLIT_LAUNCH,
+        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits) if fold else 1, DOT=bool(DOT),
+        IEEE=bool(DOT) and q.dtype == torch.float32, **pdl_args(q.device), **SPLIT_LAUNCH,
     )
     if not direct and not fold:
         combine_kernel[(B, H)](
