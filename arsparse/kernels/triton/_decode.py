@@ -40,13 +40,14 @@ def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constex
     unscaled q in the cache's dtype (BG >= 16 rows, zeros past the group) and the two products on
     tensor cores, the probabilities in the cache's dtype (as FlashAttention); ``IEEE``: fp32 tiles
     multiply in full fp32, not tf32."""
-    if DOT:
+    if DOT:  # (scores unscaled; the scale and log2(e) in one multiply-add with the shift of exp2)
         prec: tl.constexpr = "ieee" if IEEE else "tf32"
-        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k), input_precision=prec) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        LOG2E: tl.constexpr = 1.4426950408889634
+        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k), input_precision=prec), float("-inf"))  # (BG, BN)
+        m_new = tl.maximum(m, tl.max(s, axis=1) * scale)
         m_ref = _finite_max(m_new, GUARD)
         alpha = tl.exp(m - m_ref)
-        p = tl.exp(s - m_ref[:, None])
+        p = tl.exp2(s * (scale * LOG2E) - (m_ref * LOG2E)[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=prec)
         return m_new, l, acc
@@ -140,7 +141,7 @@ def decode_split_kernel(
         n = n_start + offs_n
         nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
         k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
-        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, scale, IEEE)
+        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, tl.cast(scale, tl.float32), IEEE)
     if MHA:  # (back to the group's shapes)
         m = tl.zeros((BLOCK_G,), tl.float32) + m
         l = tl.zeros((BLOCK_G,), tl.float32) + l

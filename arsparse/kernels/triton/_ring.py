@@ -191,6 +191,7 @@ def ring_decode_kernel(
     three tiles and three softmax terms; ``DOT`` (with it): its products on tensor cores.
     """
     launch_next(PDL)
+    scale = tl.cast(scale, tl.float32)  # (it may arrive as fp64 from torch.compile: no fp64 arithmetic)
     h = tl.program_id(0 if HEADS_FIRST else 1)
     block = tl.program_id(1 if HEADS_FIRST else 0)  # the block of ROWS rows
     hk = h // G

@@ -1,0 +1,92 @@
+"""The decode kernels' engine builds for sm_90, without a GPU: SASS instructions (whole kernel, and per
+pass of its main loop), registers, spills, shared memory. What BENCHMARKS.md quotes for untimed
+kernel forms; a proxy only (run 12: the ring kernel's time fell with its instruction count).
+
+    PYTHONPATH=. python3 docs/bench/sm90_build.py [BUILD ...]     # default: every build below
+
+Triton compiles as the launch would specialise it (pointers and strides divisible by 16; the
+engine's constexprs) and disassembles with the nvdisasm/ptxas it ships. The H200 image has Triton
+3.6: `pip install --target /tmp/t36 --no-deps triton==3.6.0` and put /tmp/t36 first on PYTHONPATH to
+count what it builds.
+"""
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_RING_PTR = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
+                 **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
+_RING = dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, BLOCK_O=64, BLOCK_S=4, HAS_SPAN=False, HAS_REST=False,
+             LATE_CAST=False, HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16)
+_DENSE_PTR = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", CNT="*i32",
+                  **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
+_DENSE = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
+#: build -> (module, kernel, pointer types, constexprs, num_warps, num_stages): GPT-XL's shapes (20 heads of 64)
+BUILDS = {
+    "ring": ("_ring", "ring_decode_kernel", _RING_PTR, _RING, 1, 3),
+    "ring-three-tiles": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, MERGED=False), 1, 3),
+    "ring-dot": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True), 1, 3),
+    "ring-dot-2warps": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True), 2, 3),
+    "ring-dot-rows4-2stages": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True, ROWS=4), 1, 2),
+    "dense": ("_decode", "decode_split_kernel", _DENSE_PTR, _DENSE, 2, 3),
+    "dense-dot": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_G=16, DOT=True), 2, 3),
+}
+
+
+def build(module: str, name: str, pointers: dict, const: dict, warps: int, stages: int) -> dict:
+    kernel = getattr(importlib.import_module(f"arsparse.kernels.triton.{module}"), name)
+    const = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **const}
+    sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32") for n in kernel.arg_names}
+    # pointers (torch allocations) and strides/sizes that are multiples of 16 elements, as the launch specialises
+    div = {n for n in kernel.arg_names if n not in const and (sig[n].startswith("*") or n.startswith("s") and n != "scale"
+                                                              or n in ("D", "S", "chunk"))}
+    src = ASTSource(fn=kernel, signature=sig, attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in div},
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+    built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        open(cubin, "wb").write(built.asm["cubin"])
+        open(ptx, "w").write(built.asm["ptx"])
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+        info = subprocess.run([os.path.join(tools, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    count, labels, loop, ops = 0, {}, None, collections.Counter()
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = count
+        if not re.match(r"\s*/\*[0-9a-f]{4}\*/", line):
+            continue
+        op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        ops[op.group(1) if op else "?"] += 1
+        back = re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)
+        if back and back.group(1) in labels and count - labels[back.group(1)] > 1:  # (not the final self-loop)
+            loop = max(loop or 0, count - labels[back.group(1)] + 1)
+        count += 1
+    num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else None  # noqa: E731
+    return dict(instructions=count, loop=loop, registers=num(r"Used (\d+) registers"),
+                spills=num(r"(\d+) bytes spill stores"), shared=built.metadata.shared,
+                top=" ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"
+    names = sys.argv[1:] or list(BUILDS)
+    unknown = set(names) - set(BUILDS)
+    if unknown:
+        sys.exit(f"unknown builds {sorted(unknown)}; known: {', '.join(BUILDS)}")
+    print(f"Triton {triton.__version__}, sm_90\n\n| build | instructions | main loop pass | registers | spill bytes "
+          "| shared bytes | most frequent |\n|---|---|---|---|---|---|---|")
+    for n in names:
+        r = build(*BUILDS[n])
+        print(f"| {n} | {r['instructions']} | {r['loop'] or '-'} | {r['registers']} | {r['spills']} | {r['shared']} "
+              f"| {r['top']} |")
