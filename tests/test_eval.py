@@ -93,6 +93,51 @@ def test_frechet_reference_and_paired_bootstrap():
         ref.distance_of(a[:, :5])
 
 
+def _mmd2_by_pairs(x, y) -> float:
+    """Unbiased MMD^2 with the cubic kernel (a . b / d + 1)^3, one pair at a time (the published KID formula)."""
+    d = x.shape[1]
+    k = lambda a, b: (float(a @ b) / d + 1) ** 3  # noqa: E731
+    n, m = len(x), len(y)
+    xx = sum(k(x[i], x[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    yy = sum(k(y[i], y[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    return xx + yy - 2 * sum(k(a, b) for a in x for b in y) / (n * m)
+
+
+def test_kernel_distance_matches_the_pairwise_formula_and_has_no_sample_size_bias():
+    """KID (arsparse.eval.kernel_distance): a subset holding every row equals the formula summed pair by
+    pair; subsets follow the seed (paired across feature sets of the same sizes). Unbiased: the mean
+    over small subsets agrees with one large subset, where the Fréchet distance of the small subsets
+    overestimates."""
+    from arsparse.eval.frechet import frechet_from_features
+    from arsparse.eval.kernel_distance import kernel_distances
+
+    rng = np.random.default_rng(fresh_seed())
+    x, y = rng.normal(size=(15, 6)) * 1.2 + 0.3, rng.normal(size=(15, 6))
+    got = kernel_distances(x, y, subsets=3, subset_size=50)  # (15 rows each: every subset is all of them)
+    np.testing.assert_allclose(got, _mmd2_by_pairs(x, y), rtol=1e-10)
+    sub = kernel_distances(x, y, subsets=4, subset_size=9, seed=5)
+    pick = np.random.default_rng(5)
+    want = []
+    for _ in range(4):
+        ix, iy = pick.choice(15, 9, replace=False), pick.choice(15, 9, replace=False)
+        want.append(_mmd2_by_pairs(x[ix], y[iy]))
+    np.testing.assert_allclose(sub, want, rtol=1e-10)
+    assert np.array_equal(kernel_distances(x + 1.0, y, 4, 9, seed=5) > sub, np.ones(4, bool))  # (the same rows)
+    d = 24
+    a, b = rng.normal(size=(4000, d)), rng.normal(size=(4000, d)) * 1.15 + 0.05
+    big = kernel_distances(a, b, subsets=1, subset_size=4000)[0]
+    small = kernel_distances(a, b, subsets=400, subset_size=60)
+    assert abs(small.mean() - big) < 3 * small.std() / 400**0.5 + 0.05 * big
+    fd_small = np.mean([frechet_from_features(a[i * 60:(i + 1) * 60], b[i * 60:(i + 1) * 60]) for i in range(40)])
+    assert fd_small > 1.5 * frechet_from_features(a, b)  # (the Fréchet distance's bias at 60 samples)
+    with pytest.raises(ValueError, match="need \\(n, d\\) and \\(m, d\\)"):
+        kernel_distances(x, y[:, :5])
+    with pytest.raises(ValueError, match="subsets must be a positive integer"):
+        kernel_distances(x, y, subsets=0)
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        kernel_distances(x[:1], y)
+
+
 def test_extrapolated_distance_removes_the_finite_sample_bias():
     """FD-infinity: the least-squares fit d_inf + k / n over the seed's subsets (recomputed here with
     scipy), and on Gaussians whose distance is known in closed form, nearer the truth than the raw
@@ -130,9 +175,12 @@ def test_fd_bootstrap_setting_is_checked(capsys):
     for bad in (1, -2, True, 2.5):
         with pytest.raises(ValueError, match="fd_bootstrap is a number of resamples"):
             EvalConfig(fd_bootstrap=bad)
-    for flags in (["--fd-bootstrap", "50"], ["--fd-infinity"]):
+    for flags in (["--fd-bootstrap", "50"], ["--fd-infinity"], ["--kid", "100"]):
         assert eval_main(["--sweep-rho", "0.2", *flags, "--quiet"]) == 2
-        assert "--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho" in capsys.readouterr().err
+        assert "--fd-bootstrap, --fd-infinity and --kid apply to the eval, not to --sweep-rho" in capsys.readouterr().err
+    for bad in (dict(kid_subsets=-1), dict(kid_subsets=True), dict(kid_subset_size=1), dict(kid_subset_size=5.0)):
+        with pytest.raises(ValueError, match="kid_subset(s|_size) must be an integer >= [02]"):
+            EvalConfig(**bad)
     for bad in (1, "yes"):
         with pytest.raises(ValueError, match="fd_infinity is a bool"):
             EvalConfig(fd_infinity=bad)
@@ -301,7 +349,8 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
     cfg = EvalConfig(policies=names, policy_args=TINY_ARGS, match_budget=True, num_samples=14, nll_images=6,
                      batch_size=7, nll_batch=4, ref_images=30, grid_images=14, cfg_scale=2.0,
-                     seed=seed % 10_000, fd_bootstrap=20, fd_infinity=True)
+                     seed=seed % 10_000, fd_bootstrap=20, fd_infinity=True,
+                     kid_subsets=5, kid_subset_size=10)
     mob_path = find_mobilenet_weights()
     mob = MobileNetFeatures(load_mobilenet(), 32) if mob_path is not None else None
     res = evaluate(gpt, tok, cfg, heldout=heldout, classifier=load_classifier(), mobilenet=mob, out_dir=tmp_path,
@@ -330,6 +379,13 @@ def test_evaluate_end_to_end_tiny(tmp_path):
             assert r["fd_classifier_inf_delta_pct"] is None
     assert "∞:" in (tmp_path / "eval.md").read_text()
     assert any("fd_classifier_inf extrapolates from subsets of 7 to 14" in n for n in saved["notes"])
+    dense_kid = saved["rows"][0]["kid_classifier"]  # (--kid: the kernel distance on 5 subsets of 10 images)
+    for r in saved["rows"]:
+        assert np.isfinite(r["kid_classifier"]) and r["kid_classifier_std"] >= 0
+        assert (r["kid_mobilenet"] is None) == (mob is None) and r["kid"] is None  # (no Inception here)
+        want = 100 * (r["kid_classifier"] - dense_kid) / dense_kid if dense_kid > 0 else None
+        assert r["kid_classifier_delta_pct"] == (pytest.approx(want) if want is not None else None)
+    assert "Kernel distances (KID" in (tmp_path / "eval.md").read_text()
     assert saved["fd_floor"]["classifier"] is not None
     # Same seeds and classes: a rerun of dense alone gives the same images (same grid pixels).
     res2 = evaluate(gpt, tok, EvalConfig(policies=["dense"], num_samples=14, nll_images=0, batch_size=14,

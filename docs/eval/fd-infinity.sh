@@ -13,12 +13,13 @@
 # (Emoji's reference is then its 794 held-out images: in MobileNetV2's 1,280 dimensions that reference
 # adds a large bias of its own, the same for every policy, which --fd-infinity does not remove.)
 # run: `arsparse eval --policies $POLICIES --match-budget --num-samples $SAMPLES --fd-infinity
-# --fd-bootstrap $BOOTSTRAP --fd-floor 0` on seeds $SEED + i, fp32; returns eval.json, eval.md and
+# --fd-bootstrap $BOOTSTRAP --kid $KID --fd-floor 0` on seeds $SEED + i, fp32; returns eval.json, eval.md and
 # log.txt in $OUT. The eval writes after every policy, so a call cut short keeps what it measured.
 # (A CPU smoke test: DEVICE=cpu SAMPLES=8 NLL_IMAGES=2 BOOTSTRAP=0 EVAL_ARGS="--ref-images 40" ... run.)
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 POLICIES=${POLICIES:-dense,diagonal} SAMPLES=${SAMPLES:-5000} SEED=${SEED:-30000} BOOTSTRAP=${BOOTSTRAP:-100}
+KID=${KID:-100}  # (kernel distances over this many subsets of 1,000: no finite-sample bias; 0: none)
 NLL_IMAGES=${NLL_IMAGES:-256} DEVICE=${DEVICE:-cuda} PY=${PYTHON:-python3} LIMIT=${LIMIT:-540}
 EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the eval)
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
@@ -55,7 +56,7 @@ xz -dc .ft/gpt.safetensors.xz > /tmp/fd-gpt.safetensors && sha256sum /tmp/fd-gpt
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 timeout "$LIMIT" $PY -m arsparse.cli eval --model $model --gpt-ckpt /tmp/fd-gpt.safetensors --policies "$POLICIES" \
   --match-budget --num-samples "$SAMPLES" --seed "$SEED" --nll-images "$NLL_IMAGES" --fd-infinity \
-  --fd-bootstrap "$BOOTSTRAP" --fd-floor 0 $mob $EVAL_ARGS --dtype fp32 --device "$DEVICE" --quiet --out "$OUT" \
+  --fd-bootstrap "$BOOTSTRAP" --kid "$KID" --fd-floor 0 $mob $EVAL_ARGS --dtype fp32 --device "$DEVICE" --quiet --out "$OUT" \
   > "$OUT/log.txt" 2>&1 || echo "eval stopped early (status $?): see log.txt"
 find "$OUT" -name 'grid-*.png' ! -name grid-dense.png ! -name grid-diagonal.png -delete  # (8 files a call at most)
 grep -E "^\|" "$OUT/eval.md" || tail -20 "$OUT/log.txt"
