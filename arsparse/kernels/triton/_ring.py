@@ -19,10 +19,11 @@ row loop that issued the next row's loads first (by hand) and the offsets in two
 sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this form (run 7). Since run
 12 a row's prompt, sinks and ring entries share one tile (``MERGED``: fewer instructions, one softmax;
 diagonal at batch 256 3.94 -> 3.74-3.80 ms per step); a long caption prompt keeps the three tiles.
-Since session 13 the one-tile form leaves the new token's slot out of the gather and adds the token
-as one term (no select per element), and positions and offsets are 32-bit (an int64 remainder is a
-call): the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,496 and 168
-(not yet timed). ``DOT``: the products on tensor cores (off until timed).
+Since session 13 both forms leave the new token's slot out of the gathers and add the token as one
+term (no select per element), and positions and offsets are 32-bit (an int64 remainder is a call):
+the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,496 and 168, the
+three-tile form from 2,256 and 255 to 1,592 and 188 (not yet timed). ``DOT``: the one-tile form's
+products on tensor cores (off until timed).
 """
 import triton
 import triton.language as tl
@@ -160,6 +161,70 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
 
 
 @triton.jit
+def _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk, pos, i,
+                    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
+                    ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
+                    LATE_CAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Row ``b``'s read set as three tiles (prompt (BP, BD), sinks (BS, BD), ring entries (BO, BD)) and one
+    softmax over them and the new token, which (as in :func:`_merged_row`) is one term from registers,
+    its slot left out of the gathers. Returns the unnormalised output (BD,), its sum and the new token."""
+    if not EARLY:
+        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    pmask = jp < P  # the prompt (BP,)
+    if HAS_SPAN:
+        pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
+    p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
+    kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+    vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
+    snew = (js < S) & (js == i)  # sink i is the new token
+    smask = (js < S) & (js < i)  # the sinks read from memory (BS,)
+    s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
+    ks = tl.load(SK + s_off, mask=smask[:, None] & dmask[None, :], other=0.0)
+    vs = tl.load(SV + s_off, mask=smask[:, None] & dmask[None, :], other=0.0)
+    kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
+    is_r = (o >= 0) & (kpos >= P + S)
+    slot = tl.where(is_r, (kpos - P) % W, 0)
+    rnew = is_r & (slot == i % W)  # the slot this step writes
+    rmask = is_r & ~rnew
+    r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
+    kr = tl.load(RK + r_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    vr = tl.load(RV + r_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if EARLY:
+        wait_prior(PDL)
+        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+    if not LATE_CAST:
+        kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
+        kr, vr = kr.to(tl.float32), vr.to(tl.float32)
+    LOG2E: tl.constexpr = 1.4426950408889634
+    s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # log2 units
+    s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E
+    s_r = tl.where(rmask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E
+    n_new_r = tl.sum(rnew.to(tl.float32), axis=0)
+    n_new = n_new_r + tl.sum(snew.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
+    u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))
+    m = tl.maximum(tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0)), u_new)
+    if HAS_REST:  # (the ring entries read from memory are the rows of kr; the new token's as often as read)
+        s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
+                              tl.sum(is_r.to(tl.int32), axis=0),
+                              tl.sum(kr.to(tl.float32), axis=0) + n_new_r * kn.to(tl.float32),
+                              tl.sum(vr.to(tl.float32), axis=0) + n_new_r * vn.to(tl.float32))
+        u_e = s_e * LOG2E
+        m = tl.maximum(m, u_e)
+    p_p = tl.exp2(s_p - m)
+    p_s = tl.exp2(s_s - m)
+    p_r = tl.exp2(s_r - m)
+    p_new = n_new * tl.exp2(u_new - m)
+    l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0) + p_new
+    acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
+           + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0) + p_new * vn.to(tl.float32))  # (BD,)
+    if HAS_REST:
+        p_e = tl.exp2(u_e - m)
+        l = l + p_e
+        acc = acc + p_e * v_e
+    return acc, l, kn, vn
+
+
+@triton.jit
 def ring_decode_kernel(
     Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
@@ -216,60 +281,10 @@ def ring_decode_kernel(
                                          ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
                                          HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, DOT, IEEE)
         else:
-            if not EARLY:
-                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d,
-                                         dmask)
-            pmask = jp < P  # the prompt (BP,)
-            if HAS_SPAN:
-                pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
-            p_off = b * sp_b + hk * sp_h + jp[:, None] * sp_s + offs_d[None, :]
-            kp = tl.load(PK + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
-            vp = tl.load(PV + p_off, mask=pmask[:, None] & dmask[None, :], other=0.0)
-
-            smask = (js < S) & (js <= i)  # the sinks written so far (BS,); sink i is the new token
-            snew = js == i
-            s_off = b * ss_b + hk * ss_h + js[:, None] * ss_s + offs_d[None, :]
-            ks = tl.load(SK + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
-            vs = tl.load(SV + s_off, mask=(smask & ~snew)[:, None] & dmask[None, :], other=0.0)
-
-            kpos = pos - o  # the ring entries read (BO,): image positions past the sinks
-            omask = (o >= 0) & (kpos >= P + S)
-            slot = tl.where(omask, (kpos - P) % W, 0)
-            rnew = omask & (slot == i % W)  # the slot this step writes: from registers
-            r_off = b * sr_b + hk * sr_h + slot[:, None] * sr_s + offs_d[None, :]
-            kr = tl.load(RK + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-            vr = tl.load(RV + r_off, mask=(omask & ~rnew)[:, None] & dmask[None, :], other=0.0)
-            if EARLY:
-                wait_prior(PDL)
-                q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d,
-                                         dmask)
-            if not LATE_CAST:
-                kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
-                kr, vr = kr.to(tl.float32), vr.to(tl.float32)
-            ks = tl.where(snew[:, None], kn.to(ks.dtype)[None, :], ks)
-            vs = tl.where(snew[:, None], vn.to(vs.dtype)[None, :], vs)
-            kr = tl.where(rnew[:, None], kn.to(kr.dtype)[None, :], kr)
-            vr = tl.where(rnew[:, None], vn.to(vr.dtype)[None, :], vr)
-
-            s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-            s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-            s_r = tl.where(omask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-            m = tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0))
-            if HAS_REST:
-                s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
-                                      tl.sum(omask.to(tl.int32), axis=0), tl.sum(kr.to(tl.float32), axis=0),
-                                      tl.sum(vr.to(tl.float32), axis=0))
-                m = tl.maximum(m, s_e)
-            p_p = tl.exp(s_p - m)
-            p_s = tl.exp(s_s - m)
-            p_r = tl.exp(s_r - m)
-            l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0)
-            acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
-                   + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0))  # (BD,)
-            if HAS_REST:
-                p_e = tl.exp(s_e - m)
-                l = l + p_e
-                acc = acc + p_e * v_e
+            acc, l, kn, vn = _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk,
+                                             pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b,
+                                             ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d,
+                                             dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY)
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
         if DOT:  # row 0 of the (16, BD) tile
             rows = tl.arange(0, 16)
