@@ -17,7 +17,8 @@ a)
 or folded or programmatic" 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
   B 300 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --variant "$TC" \
     --variant "$TC,ring.num_warps=2" --variant "$TC,ring.rows_per_program=4,ring.num_stages=2" \
-    --variant dense_dot=1 --out "$OUT/b256-576.json" | tail -20 ;;
+    --variant dense_dot=1 --variant ring.num_warps=2 --variant ring.rows_per_program=2 \
+    --out "$OUT/b256-576.json" | tail -24 ;;
 b)
   B 560 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --variant "$TC" \
     --variant "$TC,dense_dot=1,streams=2" --out "$OUT/max1024.json" | tail -12 ;;
