@@ -38,8 +38,8 @@ def _same(got: list, want: list) -> None:
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
 ])
 @pytest.mark.parametrize("fold,dot,dtype", [(0, 0, torch.float32), (1, 0, torch.float32), (0, 1, torch.float32),
-                                             (1, 1, torch.bfloat16)],
-                         ids=["combine-launch", "folded", "dot", "folded-dot-bf16"])
+                                             (1, 1, torch.bfloat16), (0, 1, torch.float16)],
+                         ids=["combine-launch", "folded", "dot", "folded-dot-bf16", "dot-fp16"])
 def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, fold,
                                                        dot, dtype):
     """``fold``: the last split of each (row, kv head) merges the splits (decode.FOLD_COMBINE); twice in a
