@@ -36,6 +36,7 @@ def _same(got: list, want: list) -> None:
     (4, 4, 2, 300, 64, "rows", 3),  # one position per row: 0, a split start, the last, random
     (3, 6, 3, 90, 100, "rows", 1),  # per row, one split (the output written directly)
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
+    (2, 2, 2, 40, 8, "rows", 2),  # head_dim 8 (tensor-core tiles pad it to 16)
 ])
 @pytest.mark.parametrize("fold,dot,dtype", [(0, 0, torch.float32), (1, 0, torch.float32), (0, 1, torch.float32),
                                              (1, 1, torch.bfloat16), (0, 1, torch.float16)],
@@ -155,6 +156,20 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
     assert (want[2] - plain[2]).abs().max() > 1e-2  # row 2, far past the window, has a remainder
     with pytest.raises(ValueError, match="rest_sums' k_sum must be fp32"):
         ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
+
+
+@pytest.mark.parametrize("launch", [None, dict(merged=False), dict(dot=True)], ids=["engine", "three-tiles", "dot"])
+def test_ring_kernel_offsets_past_int32_read_nothing(poisoned_empty, launch):
+    """The kernel computes positions in 32 bits: an offset of 2**31 or more (past any position) reads
+    nothing, as the reference says, rather than wrapping onto a near offset or the new token."""
+    B, H, Hkv, P, S, W, D = 2, 2, 2, 2, 3, 5, 16
+    offsets = torch.tensor([[2**32, 1, 3], [2**32 + 1, 2**31, 0]])
+    pos = torch.tensor([P + 3 * W, P + 4])
+    inputs, (want, *want_bufs) = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, torch.float32,
+                                                  int.from_bytes(os.urandom(3), "little"), DEVICE)
+    got = ring_decode_attention(*inputs, S, launch=launch)
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    _same([t.cpu() for t in inputs[3:9]], want_bufs)
 
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),

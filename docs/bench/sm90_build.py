@@ -28,7 +28,11 @@ _RING = dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, BLOCK_O=64, BLOCK_S=4, HAS_SPAN
 _DENSE_PTR = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", CNT="*i32",
                   **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
 _DENSE = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
-#: build -> (module, kernel, pointer types, constexprs, num_warps, num_stages): GPT-XL's shapes (20 heads of 64)
+_MV_PTR = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
+_MV = dict(BLOCK_M=2, BLOCK_N=4, HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, PDL=True,
+           ONE_CHUNK=True)
+#: build -> (module, kernel, pointer types, constexprs, num_warps, num_stages): GPT-XL's shapes (20 heads of 64;
+#: the latency mode's projections at 2 rows: wqkv with the residual add, norm and RoPE, wo, w1/w3, w2)
 BUILDS = {
     "ring": ("_ring", "ring_decode_kernel", _RING_PTR, _RING, 1, 3),
     "ring-three-tiles": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, MERGED=False), 1, 3),
@@ -37,6 +41,11 @@ BUILDS = {
     "ring-dot-rows4-2stages": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True, ROWS=4), 1, 2),
     "dense": ("_decode", "decode_split_kernel", _DENSE_PTR, _DENSE, 2, 3),
     "dense-dot": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_G=16, DOT=True), 2, 3),
+    "matvec-qkv": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_F=True, HAS_NORM=True,
+                                                             HAS_ROPE=True), 4, 2),
+    "matvec-wo": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_RES=True), 4, 2),
+    "matvec-w13": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_NORM=True, GLU=True), 4, 2),
+    "matvec-w2": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=4096, HAS_RES=True), 4, 2),
 }
 
 
@@ -46,7 +55,7 @@ def build(module: str, name: str, pointers: dict, const: dict, warps: int, stage
     sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale" else "i32") for n in kernel.arg_names}
     # pointers (torch allocations) and strides/sizes that are multiples of 16 elements, as the launch specialises
     div = {n for n in kernel.arg_names if n not in const and (sig[n].startswith("*") or n.startswith("s") and n != "scale"
-                                                              or n in ("D", "S", "chunk"))}
+                                                              or n in ("D", "S", "chunk", "K", "N", "head_dim"))}
     src = ASTSource(fn=kernel, signature=sig, attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in div},
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

@@ -21,8 +21,8 @@ sized to them (32 + 16 for diagonal's 43, not 64) were each slower than this for
 diagonal at batch 256 3.94 -> 3.74-3.80 ms per step); a long caption prompt keeps the three tiles.
 Since session 13 both forms leave the new token's slot out of the gathers and add the token as one
 term (no select per element), and positions and offsets are 32-bit (an int64 remainder is a call):
-the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,496 and 168, the
-three-tile form from 2,256 and 255 to 1,592 and 188 (not yet timed). ``DOT``: the one-tile form's
+the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,512 and 168, the
+three-tile form from 2,256 and 255 to 1,600 and 188 (not yet timed). ``DOT``: the one-tile form's
 products on tensor cores (off until timed).
 """
 import triton
@@ -263,8 +263,9 @@ def ring_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     jo = tl.arange(0, BLOCK_O)
-    # (BO,) this head's backward offsets; offsets and positions in 32 bits (int64 remainders are a call)
-    o = tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1).to(tl.int32)
+    # (BO,) this head's backward offsets; offsets and positions in 32 bits (int64 remainders are a call;
+    # an offset past 2**31 - 1, like any past the position, reads nothing)
+    o = tl.minimum(tl.load(OFF + h * so_h + jo, mask=jo < n_off, other=-1), 2147483647).to(tl.int32)
     if not EARLY:
         wait_prior(PDL)
     jp = tl.arange(0, BLOCK_P)

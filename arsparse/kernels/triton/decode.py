@@ -146,8 +146,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         o_part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
         m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
-    block_d = triton.next_power_of_2(D)
-    block_g = max(16 if DOT else 1, triton.next_power_of_2(G))  # (tensor-core products: 16 rows at least)
+    block_d = max(16 if DOT else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
+    block_g = max(16 if DOT else 1, triton.next_power_of_2(G))  # columns at least)
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,

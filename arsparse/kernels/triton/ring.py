@@ -18,7 +18,7 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: in one tile (batch 256, 576 tokens: diagonal 3.923 -> 3.781 ms per step, the ring kernel 1.956 ->
 #: 1.828 ms, run 12).
 #: ``dot`` (with ``merged``): the two products on tensor cores, the query as row 0 of a 16-row tile
-#: (sm_90 build of the engine's form: 1,184 instructions and 164 registers against the default's 1,496
+#: (sm_90 build of the engine's form: 1,192 instructions and 164 registers against the default's 1,512
 #: and 168; not yet timed: ``arsparse bench --variant ring.dot=1``).
 LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, dot=False,
               num_warps=1)
