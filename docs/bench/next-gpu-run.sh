@@ -4,7 +4,9 @@
 #   bash docs/bench/next-gpu-run.sh a   # GPU tests of the new kernel forms; 576 tokens, batch 256, variants
 #   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens, each policy at its largest batch, variants
 #   bash docs/bench/next-gpu-run.sh c   # batch 1 (latency mode), variants
-# JSON and test logs under $OUT; the last lines printed are the tables.
+# JSON and test logs under $OUT; the last lines printed are the tables. For the same-process baseline
+# of run 12's kernels, first (here): mkdir .run12 && git archive 5738a87 arsparse ':!arsparse/weights' |
+# tar -x -C .run12 (untracked, so the call's tree carries it; remove it after).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -13,6 +15,8 @@ B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | 
 TC="ring.dot=1"  # the ring kernel's products on tensor cores
 case ${1:?a, b or c} in
 a)
+  [ -d .run12 ] && PYTHONPATH=.run12 B 150 --image-tokens 576 --batch 256 --compile --profile \
+    --policies "dense;diagonal" --out "$OUT/b256-576-run12-kernels.json" | tail -6
   timeout 240 python3 -m pytest -q tests/test_cuda.py -k "fused_ring_kernel or masked_ring or tensor_core or fused_dense \
 or folded or programmatic" 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
   B 300 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --variant "$TC" \
