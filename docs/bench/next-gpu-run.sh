@@ -4,7 +4,7 @@
 #   bash docs/bench/next-gpu-run.sh a   # GPU tests of the new kernel forms; 576 tokens, batch 256, variants
 #   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens, each policy at its largest batch, variants
 #   bash docs/bench/next-gpu-run.sh c   # batch 1 (latency mode), variants
-# JSON and test logs under $OUT; the last lines printed are the tables. For the same-process baseline
+# JSON and test logs under $OUT; the last lines printed are the tables. For a baseline in the same call
 # of run 12's kernels, first (here): mkdir .run12 && git archive 5738a87 arsparse ':!arsparse/weights' |
 # tar -x -C .run12 (untracked, so the call's tree carries it; remove it after).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
