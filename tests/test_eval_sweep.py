@@ -264,15 +264,21 @@ def test_sweep_from_the_command_line_with_frechet(tmp_path, monkeypatch, capsys)
     out = tmp_path / "sw"
     base = ["--model", "random-small", "--policies", "dense,streaming,h2o", "--nll-images", "4", "--num-samples",
             "6", "--batch-size", "6", "--classifier", str(_fashion_classifier()), "--out", str(out), "--quiet"]
-    assert eval_main(base + ["--sweep-rho", "0.3,0.7", "--sweep-frechet", "--sweep-tolerance", "5"]) == 0
+    assert eval_main(base + ["--sweep-rho", "0.3,0.7", "--sweep-frechet", "--sweep-tolerance", "5", "--kid", "4",
+                             "--kid-subset-size", "5"]) == 0
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["tolerance"] == 0.05 and saved["config"]["frechet"] and saved["config"]["rhos"] == [0.3, 0.7]
-    assert saved["metrics"] == ["nll_bits_per_token", "fd_classifier"]  # no MobileNetV2 weights here
+    dense_kid = saved["rows"][0]["kid_classifier"]  # (an unbiased estimate: may fall to or below 0)
+    assert saved["metrics"] == ["nll_bits_per_token", "fd_classifier", "kid_classifier"]  # (no MobileNetV2 here)
     assert len(saved["rows"]) == 1 + 2 * 2
     for r in saved["rows"]:
-        assert r["fd_classifier"] > 0 and 0 <= r["class_accuracy"] <= 1
+        assert r["fd_classifier"] > 0 and 0 <= r["class_accuracy"] <= 1 and np.isfinite(r["kid_classifier"])
+        want = (r["kid_classifier"] - dense_kid) / dense_kid if dense_kid > 0 else None
+        assert r["kid_classifier_rel_to_dense"] == (pytest.approx(want) if want is not None else None)
     assert saved["rows"][0]["fd_classifier_rel_to_dense"] == 0.0
-    assert set(saved["crossings"]["h2o"]) == {"nll_bits_per_token", "fd_classifier"}
+    assert set(saved["crossings"]["h2o"]) == {"nll_bits_per_token", "fd_classifier", "kid_classifier"}
+    if dense_kid <= 0:  # (no relative costs to a base at or below 0)
+        assert saved["crossings"]["h2o"]["kid_classifier"]["status"] == "no data"
     assert "within 5%" in capsys.readouterr().out
     # The sweep alone (no value) takes the default budgets; flags that do not fit are refused.
     assert eval_main(base + ["--sweep-rho", "--match-budget"]) == 2

@@ -61,8 +61,10 @@ def cmd_eval(args) -> int:
     sweeping = args.sweep_rho is not None
     if sweeping and args.match_budget:
         raise ValueError("--match-budget does not apply to --sweep-rho: the sweep sets every policy's budget")
-    if sweeping and (args.fd_bootstrap or args.fd_infinity or args.kid):
-        raise ValueError("--fd-bootstrap, --fd-infinity and --kid apply to the eval, not to --sweep-rho")
+    if sweeping and (args.fd_bootstrap or args.fd_infinity):
+        raise ValueError("--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho")
+    if sweeping and args.kid and not args.sweep_frechet:
+        raise ValueError("--kid measures generated images: with --sweep-rho it needs --sweep-frechet")
     if not sweeping and args.sweep_frechet:
         raise ValueError("--sweep-frechet needs --sweep-rho")
     if args.fd_floor is not None and args.fd_floor < 0:

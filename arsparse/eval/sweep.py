@@ -6,7 +6,8 @@ sequence, layer and head) on the same held-out images, conditions and seeds:
 * always the teacher-forced NLL (bits/token), KL(dense || policy) and top-1 agreement, which cost
   one teacher-forced pass per (policy, budget);
 * with ``frechet=True`` also the Fréchet distances and class accuracy of ``num_samples`` generated
-  images per (policy, budget), which costs a full generation each.
+  images per (policy, budget), which costs a full generation each (and, with ``kid_subsets``, the
+  kernel distances of the same images).
 
 A budget is met by :func:`~arsparse.eval.evaluate.policy_at_budget`: the most kept entries that do
 not exceed ``floor(rho * dense)``. Policies keep whole units (``diagonal`` whole image rows), so
@@ -37,7 +38,7 @@ __all__ = ["DEFAULT_RHOS", "SWEEP_METRICS", "check_rhos", "parse_rhos", "crossin
 DEFAULT_RHOS = (0.06, 0.09, 0.12, 0.18, 0.25, 0.35, 0.5)
 #: Metrics a sweep finds crossings for (lower is better for each), with their labels.
 SWEEP_METRICS = {"nll_bits_per_token": "NLL", "fd_classifier": "FD classifier", "fd_mobilenet": "FD MobileNetV2",
-                 "fid": "FID"}
+                 "fid": "FID", "kid_classifier": "KID classifier", "kid_mobilenet": "KID MobileNetV2", "kid": "KID"}
 _RHO_HELP = "rho is kept / dense KV entries, a number in (0, 1]"
 
 
@@ -115,7 +116,7 @@ def rel_key(metric: str) -> str:
 
 
 def _rel(x, ref):
-    if x is None or ref is None or ref == 0:
+    if x is None or ref is None or ref <= 0:  # (an unbiased KID of dense may fall to or below 0)
         return None
     return (x - ref) / abs(ref)
 
