@@ -17,7 +17,7 @@ case ${1:?a, b or c} in
 a)
   [ -d .run12 ] && PYTHONPATH=.run12 B 150 --image-tokens 576 --batch 256 --compile --profile \
     --policies "dense;diagonal" --out "$OUT/b256-576-run12-kernels.json" | tail -6
-  timeout 240 python3 -m pytest -q tests/test_cuda.py -k "fused_ring_kernel or masked_ring or tensor_core or fused_dense \
+  timeout 300 python3 -m pytest -q tests/test_cuda.py -k "fused_ring_kernel or masked_ring or tensor_core or fused_dense \
 or folded or programmatic" 2>&1 | tail -4 | tee "$OUT/test_cuda.txt"
   B 300 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --variant "$TC" \
     --variant "$TC,ring.num_warps=2" --variant "$TC,ring.rows_per_program=4,ring.num_stages=2" \
