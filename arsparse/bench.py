@@ -47,13 +47,12 @@ class Variant:
     streams: int | None = None
     pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
     w13: int | None = None  # compiled path: w1 and w3 as one matrix product (models/gpt.py MERGE_FFN)
-    fold: int | None = None  # the dense split kernel merges its splits itself (kernels/triton/decode.py FOLD_COMBINE)
     dense_dot: int | None = None  # the dense split kernel's products on tensor cores (decode.DOT)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
 
 
-_SWITCHES = ("pdl", "w13", "fold", "dense_dot")  # (the variant settings that are 0 or 1)
+_SWITCHES = ("pdl", "w13", "dense_dot")  # (the variant settings that are 0 or 1)
 
 
 def parse_variant(spec: str) -> Variant:
@@ -94,20 +93,18 @@ def _applied(variant: Variant):
     from .kernels.triton import _pdl, decode, matvec, ring
     from .models import gpt
 
-    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN, decode.FOLD_COMBINE, decode.DOT
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN, decode.DOT
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
     if variant.w13 is not None:
         gpt.MERGE_FFN = bool(variant.w13)
-    if variant.fold is not None:
-        decode.FOLD_COMBINE = variant.fold
     if variant.dense_dot is not None:
         decode.DOT = variant.dense_dot
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN, decode.FOLD_COMBINE, decode.DOT = saved
+        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN, decode.DOT = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -383,9 +380,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also time every policy and batch with these settings on top of the run's, in the same "
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
-                        "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), fold (0 or 1: the "
-                        "dense split kernel merges its splits, no combine launch), dense_dot (0 or 1: its products on "
-                        "tensor cores), ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.early_loads=1,pdl=1'")
+                        "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
+                        "dense_dot (0 or 1: the dense split kernel's products on tensor cores), "
+                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.early_loads=1,pdl=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

@@ -104,39 +104,16 @@ def _same(got: list, want: list) -> None:
     (4, 32, 8, 1120, 100, "rows", None),  # GQA, head_dim 100, t2i-like length, several splits
     (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
 ])
-@pytest.mark.parametrize("pdl,fold", [(0, 0), (1, 0), (1, 1)])
-def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, fold, monkeypatch):
-    """``fold``: the splits merged by the last of them (decode.FOLD_COMBINE), twice in a row (its counters
-    must be back at zero)."""
-    from arsparse.kernels.triton import _pdl, decode, decode_attention
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, monkeypatch):
+    from arsparse.kernels.triton import _pdl, decode_attention
     from conftest import random_decode_case
 
     monkeypatch.setattr(_pdl, "ENABLED", pdl)  # (split + combine launched with PDL: the same results)
-    monkeypatch.setattr(decode, "FOLD_COMBINE", fold)
-    for _ in range(2):
-        inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
-        got = decode_attention(*inputs, num_splits=splits)
-        torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
-        _same(inputs[3:5], [want_k, want_v])
-
-
-def test_folded_combine_in_the_latency_mode_step_on_gpu(monkeypatch):
-    """The dense latency-mode step with the splits merged inside the split kernel (decode.FOLD_COMBINE),
-    in a CUDA graph with PDL: teacher-forced logits as with the combine launch, and a seeded sampling
-    repeated gives the same tokens (the counters start each step at zero)."""
-    from arsparse.kernels.triton import decode
-
-    model = random_gpt("c2i", seed=17, image_tokens=256, n_kv_head=2)
-    cond = random_cond(model, 2)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 256))
-    make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", matvec=True)  # noqa: E731
-    want_logits = make().cached_logits(cond, tokens)
-    monkeypatch.setattr(decode, "FOLD_COMBINE", 1)
-    gen = make()
-    first = gen.sample_tokens(cond, seed=5, cfg_scale=2.0)
-    assert gen._runner.graph is not None
-    assert torch.equal(gen.sample_tokens(cond, seed=5, cfg_scale=2.0), first)
-    torch.testing.assert_close(gen.cached_logits(cond, tokens), want_logits, atol=2e-2, rtol=2e-2)
+    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
+    got = decode_attention(*inputs, num_splits=splits)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
+    _same(inputs[3:5], [want_k, want_v])
 
 
 RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, blocks of rows, cache-dtype tiles, grid order
@@ -146,8 +123,6 @@ RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, bloc
     "rows5-nw2-heads-first": dict(rows_per_program=5, num_warps=2, heads_first=True),
     "three-tiles": dict(merged=False),
     "merged-late-nw2": dict(late_cast=True, num_warps=2),
-    "dot": dict(dot=True),
-    "dot-rows2-nw2": dict(dot=True, rows_per_program=2, num_warps=2),
 }
 
 
@@ -392,21 +367,19 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, me
     assert torch.equal(gen.cached_logits(cond, tokens), want_logits)
 
 
-@pytest.mark.parametrize("policy", [None, "diagonal", "diagonal:remainder=1"])
-def test_tensor_core_decode_kernels_in_the_engine_on_gpu(policy, monkeypatch):
-    """decode.DOT and ring.LAUNCH["dot"]: the decode kernels' products on tensor cores (probabilities in
-    bf16, as FlashAttention). The whole engine in bf16, MHA and GQA, graph-captured steps: the
-    teacher-forced logits within bf16 noise of the default kernels' (the same argmax almost everywhere)."""
-    from arsparse.kernels.triton import decode, ring
+def test_tensor_core_dense_kernel_in_the_engine_on_gpu(monkeypatch):
+    """decode.DOT: the dense split kernel's products on tensor cores (probabilities in bf16, as
+    FlashAttention). The whole engine in bf16, MHA and GQA, graph-captured steps: the teacher-forced
+    logits within bf16 noise of the default kernel's (the same argmax almost everywhere)."""
+    from arsparse.kernels.triton import decode
 
     for kv in (None, 2):
         model = random_gpt("c2i", seed=18, image_tokens=256, **({} if kv is None else dict(n_kv_head=kv)))
         cond = random_cond(model, 4)
         tokens = torch.randint(0, model.config.vocab_size, (4, 256))
-        make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy)  # noqa: E731
+        make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton")  # noqa: E731
         want = make().cached_logits(cond, tokens).float()
         monkeypatch.setattr(decode, "DOT", 1)
-        monkeypatch.setitem(ring.LAUNCH, "dot", True)
         got = make().cached_logits(cond, tokens).float()
         assert (got - want).norm() / want.norm() < 2e-2
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95

@@ -38,27 +38,20 @@ def _same(got: list, want: list) -> None:
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
     (2, 2, 2, 40, 8, "rows", 2),  # head_dim 8 (tensor-core tiles pad it to 16)
 ])
-@pytest.mark.parametrize("fold,dot,dtype", [(0, 0, torch.float32), (1, 0, torch.float32), (0, 1, torch.float32),
-                                             (1, 1, torch.bfloat16), (0, 1, torch.float16)],
-                         ids=["combine-launch", "folded", "dot", "folded-dot-bf16", "dot-fp16"])
-def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, fold,
-                                                       dot, dtype):
-    """``fold``: the last split of each (row, kv head) merges the splits (decode.FOLD_COMBINE); twice in a
-    row, since the folded kernel counts on a buffer that it must leave at zero for the next call.
-    ``dot``: the products on tensor cores (decode.DOT)."""
+@pytest.mark.parametrize("dot,dtype", [(0, torch.float32), (1, torch.float32), (1, torch.bfloat16), (1, torch.float16)],
+                         ids=["combine-launch", "dot", "dot-bf16", "dot-fp16"])
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, dot,
+                                                       dtype):
+    """``dot``: the products on tensor cores (decode.DOT)."""
     from arsparse.kernels.triton import decode
 
-    monkeypatch.setattr(decode, "FOLD_COMBINE", fold)
     monkeypatch.setattr(decode, "DOT", dot)
     tol = TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    for _ in range(2):
-        inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, dtype, S * 7 + D + B, DEVICE)
-        got = decode_attention(*inputs, num_splits=splits)
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
-        _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
-    if fold and splits and splits > 1:
-        assert not decode._counters(inputs[0].device, B, Hkv).any()
+    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, dtype, S * 7 + D + B, DEVICE)
+    got = decode_attention(*inputs, num_splits=splits)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
+    _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
 
 
 def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
@@ -105,10 +98,9 @@ def test_decode_attention_rejects_bad_input():
 
 @pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True),
                                     dict(rows_per_program=4, heads_first=True, early_loads=False),
-                                    dict(merged=False), dict(merged=False, early_loads=False, late_cast=True),
-                                    dict(dot=True), dict(dot=True, rows_per_program=3, early_loads=False)],
+                                    dict(merged=False), dict(merged=False, early_loads=False, late_cast=True)],
                          ids=["engine", "rows2-late", "rows4-heads-first-wait-first", "three-tiles",
-                              "three-tiles-late-wait-first", "dot", "dot-rows3-wait-first"])
+                              "three-tiles-late-wait-first"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [
     (4, 4, 4, 1, 2, 12, 64),  # MHA, a c2i prompt
     (5, 4, 2, 5, 3, 9, 100),  # GQA, head_dim 100, a longer prompt
@@ -131,8 +123,7 @@ def test_ring_kernel_writes_and_matches_reference(poisoned_empty, launch, B, H, 
 
 
 @pytest.mark.parametrize("launch", [None, dict(rows_per_program=2, late_cast=True, early_loads=False),
-                                    dict(merged=False), dict(dot=True)],
-                         ids=["engine", "rows2-late-wait-first", "three-tiles", "dot"])
+                                    dict(merged=False)], ids=["engine", "rows2-late-wait-first", "three-tiles"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D", [(4, 4, 4, 1, 2, 12, 64), (5, 4, 2, 5, 3, 9, 100), (3, 8, 1, 1, 0, 7, 128)])
 def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B, H, Hkv, P, S, W, D):
     """rest_sums: random running sums, rows at positions with and without a remainder (the first image
@@ -158,7 +149,7 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
         ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
 
 
-@pytest.mark.parametrize("launch", [None, dict(merged=False), dict(dot=True)], ids=["engine", "three-tiles", "dot"])
+@pytest.mark.parametrize("launch", [None, dict(merged=False)], ids=["engine", "three-tiles"])
 def test_ring_kernel_offsets_past_int32_read_nothing(poisoned_empty, launch):
     """The kernel computes positions in 32 bits: an offset of 2**31 or more (past any position) reads
     nothing, as the reference says, rather than wrapping onto a near offset or the new token."""
@@ -174,12 +165,11 @@ def test_ring_kernel_offsets_past_int32_read_nothing(poisoned_empty, launch):
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
               dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
-              dict(rows_per_program=3, heads_first=True), dict(rows_per_program=3, merged=False, late_cast=True),
-              dict(rows_per_program=3, dot=True)]
+              dict(rows_per_program=3, heads_first=True), dict(rows_per_program=3, merged=False, late_cast=True)]
 
 
 @pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-heads-first",
-                                                    "rows3-three-tiles-late", "rows3-dot"])
+                                                    "rows3-three-tiles-late"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
@@ -224,20 +214,17 @@ PDL_PTX = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
 def test_dense_kernel_compiles_for_hopper():
     """The split and combine kernels' builds for sm_90 (see conftest.compile_for_hopper): the engine's,
     and with programmatic dependent launch (their PTX must hold its instructions)."""
-    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", CNT="*i32",
+    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
     base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
     builds = {"engine": (base, 2),
               "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2,
                                   PDL_PTX + ["ld.global before wait <= 0"]),
-              "folded-combine-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True, FOLD=True, BLOCK_S=16), 2,
-                                     PDL_PTX + ["atom.global.gpu.acq_rel.add"]),
-              "folded-gqa": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, DIRECT=False, FOLD=True, BLOCK_S=8), 4),
               "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4),
               # tensor-core products (decode.DOT)
               "dot": (dict(base, BLOCK_G=16, DOT=True), 2, ["mma.sync"]),
-              "dot-gqa-span-folded-pdl": (dict(base, G=4, BLOCK_G=16, BLOCK_N=64, DIRECT=False, HAS_SPAN=True, DOT=True,
-                                               FOLD=True, BLOCK_S=16, PDL=True), 4, PDL_PTX + ["mma.sync"])}
+              "dot-gqa-span-pdl": (dict(base, G=4, BLOCK_G=16, BLOCK_N=64, DIRECT=False, HAS_SPAN=True, DOT=True,
+                                        PDL=True), 4, PDL_PTX + ["mma.sync"])}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}
     compile_for_hopper("arsparse.kernels.triton._decode", "combine_kernel",
@@ -328,15 +315,11 @@ def _ring_buffers(cache, layer):
     (dict(name="diagonal", local=2, rows=1, band=1, sinks=2, remainder=True), 2, 1),  # the remainder entry
     (dict(name="streaming", sinks=0, recent=4, remainder=True), 1, 3),
 ])
-@pytest.mark.parametrize("dot", [False, True], ids=["", "dot"])
-def test_ring_cache_triton_step_equals_torch_step(monkeypatch, policy, G, P, dot):
+def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
     """Every decode step of a random sequence: the Triton ring cache's output and buffers == the
-    PyTorch ring cache's (the reference path); ``dot``: the kernel's products on tensor cores."""
+    PyTorch ring cache's (the reference path)."""
     import arsparse.policies as policies
-    from arsparse.kernels.triton import ring
     from arsparse.models.config import gpt_config
-
-    monkeypatch.setitem(ring.LAUNCH, "dot", dot)
 
     cfg = gpt_config("GPT-tiny", image_tokens=25, n_head=4, n_kv_head=4 // G, cls_token_num=P, n_layer=1)
     pol = policies.get(**policy)
@@ -467,12 +450,6 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (t
                    PDL_PTX + ["ld.global before wait >= 200"]),
     "three-tiles-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
                              HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
-    # tensor-core products (``dot``): the engine's build, and with a caption span, the remainder and GQA
-    "dot-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                     HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16, DOT=True), 1,
-                PDL_PTX + ["ld.global before wait >= 200", "mma.sync"]),
-    "dot-gqa-span-rest-d128": (dict(G=4, ROWS=2, BLOCK_P=1, BLOCK_D=128, HAS_SPAN=True, HAS_REST=True, LATE_CAST=False,
-                                    HEADS_FIRST=False, MERGED=True, ALIGN=8, DOT=True), 2, ["mma.sync"]),
     "pdl-wait-first": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
                             HEADS_FIRST=False, PDL=True, EARLY=False, MERGED=True, ALIGN=16), 1,
                        PDL_PTX + ["ld.global before wait <= 4"]),

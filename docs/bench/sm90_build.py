@@ -1,6 +1,10 @@
 """The decode kernels' engine builds for sm_90, without a GPU: SASS instructions (whole kernel, and per
-pass of its main loop), registers, spills, shared memory. What BENCHMARKS.md quotes for untimed
-kernel forms; a proxy only (run 12: the ring kernel's time fell with its instruction count).
+pass of its main loop), registers, spills, shared memory, and the global loads issued ahead: in the
+main loop (else the kernel) before its first shuffle or matrix product, i.e. before it waits on any
+loaded tile. What BENCHMARKS.md quotes for untimed kernel forms; proxies only: run 12's ring kernel got
+faster with fewer instructions, but run 13's dense split kernel got 31 % slower with fewer
+instructions and registers, when its loads ahead fell from 17 to 2 (ptxas put each load next to its
+use, so their latencies add up).
 
     PYTHONPATH=. python3 docs/bench/sm90_build.py [BUILD ...]     # default: every build below
 
@@ -25,7 +29,7 @@ _RING_PTR = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32"
                  **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
 _RING = dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, BLOCK_O=64, BLOCK_S=4, HAS_SPAN=False, HAS_REST=False,
              LATE_CAST=False, HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16)
-_DENSE_PTR = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", CNT="*i32",
+_DENSE_PTR = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                   **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
 _DENSE = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
 _MV_PTR = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
@@ -36,9 +40,6 @@ _MV = dict(BLOCK_M=2, BLOCK_N=4, HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES
 BUILDS = {
     "ring": ("_ring", "ring_decode_kernel", _RING_PTR, _RING, 1, 3),
     "ring-three-tiles": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, MERGED=False), 1, 3),
-    "ring-dot": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True), 1, 3),
-    "ring-dot-2warps": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True), 2, 3),
-    "ring-dot-rows4-2stages": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, DOT=True, ROWS=4), 1, 2),
     "dense": ("_decode", "decode_split_kernel", _DENSE_PTR, _DENSE, 2, 3),
     "dense-dot": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_G=16, DOT=True), 2, 3),
     "matvec-qkv": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_F=True, HAS_NORM=True,
@@ -68,7 +69,7 @@ def build(module: str, name: str, pointers: dict, const: dict, warps: int, stage
                               check=True).stdout
         info = subprocess.run([os.path.join(tools, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
-    count, labels, loop, ops = 0, {}, None, collections.Counter()
+    count, labels, loop, start, ops, loads, waits = 0, {}, None, 0, collections.Counter(), [], []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
@@ -77,12 +78,18 @@ def build(module: str, name: str, pointers: dict, const: dict, warps: int, stage
             continue
         op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         ops[op.group(1) if op else "?"] += 1
+        if op and op.group(1) in ("LDG", "LDGSTS"):
+            loads.append(count)
+        if op and op.group(1) in ("SHFL", "HMMA"):
+            waits.append(count)
         back = re.search(r"BRA[^`]*`\((\.L_x_\d+)\)", line)
-        if back and back.group(1) in labels and count - labels[back.group(1)] > 1:  # (not the final self-loop)
-            loop = max(loop or 0, count - labels[back.group(1)] + 1)
+        if back and back.group(1) in labels and count - labels[back.group(1)] + 1 > (loop or 1):  # (not the final self-loop)
+            loop, start = count - labels[back.group(1)] + 1, labels[back.group(1)]
         count += 1
     num = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else None  # noqa: E731
-    return dict(instructions=count, loop=loop, registers=num(r"Used (\d+) registers"),
+    first_wait = min((i for i in waits if i >= start), default=count)
+    ahead = sum(start <= i < first_wait for i in loads)
+    return dict(instructions=count, loop=loop, loads_ahead=ahead, registers=num(r"Used (\d+) registers"),
                 spills=num(r"(\d+) bytes spill stores"), shared=built.metadata.shared,
                 top=" ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
 
@@ -93,9 +100,9 @@ if __name__ == "__main__":
     unknown = set(names) - set(BUILDS)
     if unknown:
         sys.exit(f"unknown builds {sorted(unknown)}; known: {', '.join(BUILDS)}")
-    print(f"Triton {triton.__version__}, sm_90\n\n| build | instructions | main loop pass | registers | spill bytes "
-          "| shared bytes | most frequent |\n|---|---|---|---|---|---|---|")
+    print(f"Triton {triton.__version__}, sm_90\n\n| build | instructions | main loop pass | loads ahead | registers "
+          "| spill bytes | shared bytes | most frequent |\n|---|---|---|---|---|---|---|---|")
     for n in names:
         r = build(*BUILDS[n])
-        print(f"| {n} | {r['instructions']} | {r['loop'] or '-'} | {r['registers']} | {r['spills']} | {r['shared']} "
+        print(f"| {n} | {r['instructions']} | {r['loop'] or '-'} | {r['loads_ahead']} | {r['registers']} | {r['spills']} | {r['shared']} "
               f"| {r['top']} |")

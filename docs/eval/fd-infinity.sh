@@ -5,6 +5,7 @@
 #
 #   bash docs/eval/fd-infinity.sh prepare fashion|emoji   # here: packs what the call needs into .ft/
 #   bash docs/eval/fd-infinity.sh run fashion|emoji       # on the GPU machine (carry .ft)
+#   bash docs/eval/fd-infinity.sh sweep fashion|emoji     # the same, a budget sweep (carry .ft)
 #
 # prepare packs the model's GPT with xz (INIT=path: other weights of the same model), MobileNetV2's
 # weights and the held-out images: fashion as docs/models/sparse-finetune.sh packs them (15 MB); emoji
@@ -15,6 +16,9 @@
 # run: `arsparse eval --policies $POLICIES --match-budget --num-samples $SAMPLES --fd-infinity
 # --fd-bootstrap $BOOTSTRAP --kid $KID --fd-floor 0` on seeds $SEED + i, fp32; returns eval.json, eval.md and
 # log.txt in $OUT. The eval writes after every policy, so a call cut short keeps what it measured.
+# sweep: `arsparse eval --policies $POLICIES --sweep-rho $RHOS --sweep-frechet --kid $KID --num-samples
+# $SAMPLES` (each policy at each budget; where each comes within 2 % of dense on NLL, the Fréchet
+# distances and KID); returns sweep.json, sweep.md, sweep.png and log.txt.
 # (A CPU smoke test: DEVICE=cpu SAMPLES=8 NLL_IMAGES=2 BOOTSTRAP=0 EVAL_ARGS="--ref-images 40" ... run.)
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
@@ -43,7 +47,7 @@ print(f'{int(d.test.sum())} held-out emoji of {len(d.test)}')"
     "arsparse/weights/fashion-c2i.safetensors docs/analysis docs/models docs/eval/*/"
   exit 0
 fi
-[ "$what" = run ] || { echo "prepare or run, got $what"; exit 2; }
+case $what in run|sweep) ;; *) echo "prepare, run or sweep, got $what"; exit 2;; esac
 export PYTHONPATH=. ARSPARSE_DATA=/tmp/fd-data TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/fd-data/fashion-mnist /tmp/fd-data/emoji
 if [ $ds = fashion ]; then
@@ -54,6 +58,14 @@ fi
 xz -dc .ft/gpt.safetensors.xz > /tmp/fd-gpt.safetensors && sha256sum /tmp/fd-gpt.safetensors
 [ -f arsparse/weights/$model.safetensors ] || cp /tmp/fd-gpt.safetensors arsparse/weights/$model.safetensors  # (the bundle)
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
+if [ "$what" = sweep ]; then
+  timeout "$LIMIT" $PY -m arsparse.cli eval --model $model --gpt-ckpt /tmp/fd-gpt.safetensors --policies "$POLICIES" \
+    --sweep-rho "${RHOS:-0.12,0.18,0.25,0.35}" --sweep-frechet --num-samples "$SAMPLES" --seed "$SEED" \
+    --nll-images "$NLL_IMAGES" --kid "$KID" --fd-floor 0 $mob $EVAL_ARGS --dtype fp32 --device "$DEVICE" --quiet \
+    --out "$OUT" > "$OUT/log.txt" 2>&1 || echo "sweep stopped early (status $?): see log.txt"
+  grep -E "^\|" "$OUT/sweep.md" || tail -20 "$OUT/log.txt"
+  exit 0
+fi
 timeout "$LIMIT" $PY -m arsparse.cli eval --model $model --gpt-ckpt /tmp/fd-gpt.safetensors --policies "$POLICIES" \
   --match-budget --num-samples "$SAMPLES" --seed "$SEED" --nll-images "$NLL_IMAGES" --fd-infinity \
   --fd-bootstrap "$BOOTSTRAP" --kid "$KID" --fd-floor 0 $mob $EVAL_ARGS --dtype fp32 --device "$DEVICE" --quiet --out "$OUT" \

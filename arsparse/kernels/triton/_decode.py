@@ -73,13 +73,12 @@ def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constex
 
 @triton.jit
 def decode_split_kernel(
-    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT, CNT,
+    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
-    S, scale, chunk, D, P, splits,
+    S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, FOLD: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-    DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+    HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -90,17 +89,17 @@ def decode_split_kernel(
     padding); a tile may then hold no readable position, so the running max is guarded.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
     (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
-    BENCHMARKS run 11.) ``FOLD`` (several splits): no combine launch; the last of a (row, kv head)'s
-    ``splits`` programs to store its partials (counted on CNT[b, hk], which it sets back to 0) merges
-    them (:func:`_combine`). ``DOT``: the products on tensor cores (BLOCK_G >= 16; see
-    :func:`_attend_tile`); positions in 32 bits either way.
+    BENCHMARKS run 11.) ``DOT``: the products on tensor cores (BLOCK_G >= 16; see :func:`_attend_tile`),
+    positions in 32 bits.
     """
     launch_next(PDL)
     wait_prior(PDL)
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
-    pos = tl.load(POS + b * spos).to(tl.int32)
+    pos = tl.load(POS + b * spos)
+    if DOT:  # (32-bit positions: the dot build's loop 973 -> 701 instructions. Not in the default form: there
+        pos = pos.to(tl.int32)  # ptxas then interleaves each load with its use, 31 % slower on the H200, run 13)
     lo = 0
     hi = 0
     if HAS_SPAN:
@@ -169,13 +168,6 @@ def decode_split_kernel(
         tl.store(O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :], acc, mask=hd_mask)
         tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
         tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
-        if FOLD:
-            tl.debug_barrier()  # the program's threads have all stored before the count
-            if tl.atomic_add(CNT + b * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                tl.debug_barrier()
-                _combine(O_PART, M_PART, L_PART, OUT, b, heads, gmask, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
-                         splits, D, BLOCK_S, BLOCK_D)
-                tl.store(CNT + b * tl.num_programs(1) + hk, 0)  # (for the next step: no program counts here now)
 
 
 @triton.jit

@@ -22,8 +22,9 @@ diagonal at batch 256 3.94 -> 3.74-3.80 ms per step); a long caption prompt keep
 Since session 13 both forms leave the new token's slot out of the gathers and add the token as one
 term (no select per element), and positions and offsets are 32-bit (an int64 remainder is a call):
 the engine's sm_90 build went from 2,040 instructions and 250 registers to 1,512 and 168, the
-three-tile form from 2,256 and 255 to 1,600 and 188 (not yet timed). ``DOT``: the one-tile form's
-products on tensor cores (off until timed).
+three-tile form from 2,256 and 255 to 1,600 and 188; the kernel's time per step at batch 256 fell from
+1.84 to 1.52 ms (run 13). Its products on tensor cores (the query as row 0 of a 16-row tile) were
+slower (1.61 ms) and were removed.
 """
 import triton
 import triton.language as tl
@@ -91,16 +92,10 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
                 ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
                 HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                EARLY: tl.constexpr, ALIGN: tl.constexpr):
     """Row ``b``'s read set in one tile (:func:`_merged_gather`) and one softmax over it and the new
-    token. Returns the unnormalised output and its sum, (BD,) and a scalar, or with ``DOT`` (16, BD)
-    and (16,) whose row 0 is the row's; and the new token's K/V (for the caller's cache write).
-
-    ``DOT``: the two products on tensor cores: the query is row 0 of a (16, BD) tile (mma needs 16
-    rows; rows 1-15 are zeros, computed and never stored), the gathered tiles go to the products in
-    the cache's dtype (no conversion per element), the probabilities too (as FlashAttention does),
-    fp32 accumulation; scores in log2 units (scale and log2(e) in one multiply-add with the shift).
-    ``IEEE``: fp32 tiles multiply in full fp32, not tf32."""
+    token. Returns the unnormalised output and its sum, (BD,) and a scalar, and the new token's K/V
+    (for the caller's cache write)."""
     if not EARLY:
         q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
     k, v, is_r, new, old = _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_h, sp_s,
@@ -112,51 +107,27 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
     LOG2E: tl.constexpr = 1.4426950408889634
     n_new = tl.sum(new.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
     u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))  # log2 units
-    if DOT:
-        prec: tl.constexpr = "ieee" if IEEE else "tf32"
-        rows = tl.arange(0, 16)
-        q_raw = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0)  # (BD,) unscaled
-        qm = tl.where((rows == 0)[:, None], q_raw[None, :], 0.0).to(k.dtype)  # (16, BD)
-        s = tl.where(old[None, :], tl.dot(qm, tl.trans(k), input_precision=prec), float("-inf"))  # (16, BO)
-        c = scale * LOG2E
-        m = tl.maximum(tl.max(s, axis=1) * c, u_new)  # (16,)
-    else:
-        if not LATE_CAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.where(old, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # (BO,)
-        m = tl.maximum(tl.max(s, axis=0), u_new)
+    if not LATE_CAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.where(old, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # (BO,)
+    m = tl.maximum(tl.max(s, axis=0), u_new)
     if HAS_REST:  # the remainder entry, less the ring entries read (the new token's as often as read)
         n_new_r = tl.sum((is_r & new).to(tl.float32), axis=0)
-        if DOT:
-            ring_old = tl.where((rows == 0)[:, None] & (is_r & old)[None, :], 1.0, 0.0).to(k.dtype)  # (16, BO)
-            k_read = tl.sum(tl.dot(ring_old, k, input_precision=prec), axis=0)
-            v_read = tl.sum(tl.dot(ring_old, v, input_precision=prec), axis=0)
-        else:
-            k_read = tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)
-            v_read = tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)
+        k_read = tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)
+        v_read = tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)
         s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
                               tl.sum(is_r.to(tl.int32), axis=0), k_read + n_new_r * kn.to(tl.float32),
                               v_read + n_new_r * vn.to(tl.float32))
         u_e = s_e * LOG2E
         m = tl.maximum(m, u_e)
-    if DOT:
-        p = tl.exp2(s * c - m[:, None])  # (16, BO)
-        p_new = n_new * tl.exp2(u_new - m)  # (16,)
-        l = tl.sum(p, axis=1) + p_new
-        acc = tl.dot(p.to(v.dtype), v, input_precision=prec) + p_new[:, None] * vn.to(tl.float32)[None, :]
-        if HAS_REST:
-            p_e = tl.exp2(u_e - m)
-            l = l + p_e
-            acc = acc + p_e[:, None] * v_e[None, :]
-    else:
-        p = tl.exp2(s - m)
-        p_new = n_new * tl.exp2(u_new - m)
-        l = tl.sum(p, axis=0) + p_new
-        acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0) + p_new * vn.to(tl.float32)  # (BD,)
-        if HAS_REST:
-            p_e = tl.exp2(u_e - m)
-            l = l + p_e
-            acc = acc + p_e * v_e
+    p = tl.exp2(s - m)
+    p_new = n_new * tl.exp2(u_new - m)
+    l = tl.sum(p, axis=0) + p_new
+    acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0) + p_new * vn.to(tl.float32)  # (BD,)
+    if HAS_REST:
+        p_e = tl.exp2(u_e - m)
+        l = l + p_e
+        acc = acc + p_e * v_e
     return acc, l, kn, vn
 
 
@@ -233,7 +204,7 @@ def ring_decode_kernel(
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -253,7 +224,7 @@ def ring_decode_kernel(
     earlier steps or the prefill, which ordinary launches at each step boundary have finished; its
     position likewise), and before anything the step writes (the query, the new token, the sums).
     ``MERGED``: that one tile and one softmax (:func:`_merged_row`; ``ALIGN``: see there) instead of
-    three tiles and three softmax terms; ``DOT`` (with it): its products on tensor cores.
+    three tiles and three softmax terms.
     """
     launch_next(PDL)
     scale = tl.cast(scale, tl.float32)  # (it may arrive as fp64 from torch.compile: no fp64 arithmetic)
@@ -280,19 +251,14 @@ def ring_decode_kernel(
             acc, l, kn, vn = _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos,
                                          i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h,
                                          ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
-                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, DOT, IEEE)
+                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN)
         else:
             acc, l, kn, vn = _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk,
                                              pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b,
                                              ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d,
                                              dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY)
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
-        if DOT:  # row 0 of the (16, BD) tile
-            rows = tl.arange(0, 16)
-            tl.store(OUT + b * sout_b + h * sout_h + rows[:, None] * 0 + offs_d[None, :],
-                     (acc * (1.0 / l)[:, None]).to(OUT.dtype.element_ty), mask=(rows == 0)[:, None] & omask_d[None, :])
-        else:
-            tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
+        tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
         w_off = b * sr_b + hk * sr_h + (i % W) * sr_s + offs_d
         tl.store(RK + w_off, kn, mask=wmask)

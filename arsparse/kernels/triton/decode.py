@@ -13,23 +13,10 @@ BLOCK_N = 128
 SMALL_BLOCK_N = 64
 #: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
 SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
-#: 1: with several splits, the last split of each (row, kv head) merges them in the split kernel (no
-#: combine launch: one launch per layer fewer at batch 1, where the launches bound the step). Not yet
-#: timed on a GPU (``arsparse bench --variant fold=1``).
-FOLD_COMBINE = 0
-#: 1: the split kernel's two products on tensor cores (the group's queries padded to 16 rows; sm_90
-#: build of the engine's form: see BENCHMARKS). Not yet timed (``arsparse bench --variant dense_dot=1``).
+#: 1: the split kernel's two products on tensor cores (the group's queries padded to 16 rows). Run 13
+#: (H200, ``arsparse bench --variant dense_dot=1``): dense at 1,024 tokens at max batch 21.23 -> 20.43 ms
+#: per step, at 576 tokens, batch 256 9.70 -> 9.94 ms; off by default until it wins both.
 DOT = 0
-_COUNTERS: dict = {}  # (device, stream, rows, kv heads) -> int32 zeros the folded kernel counts on (and resets)
-
-
-def _counters(device: torch.device, rows: int, kv_heads: int) -> torch.Tensor:
-    """The folded split kernel's counters for ``rows`` x ``kv_heads``: one buffer per CUDA stream, since
-    launches on two streams (``--streams 2``: two half batches of the same shape) may run at once."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, rows, kv_heads)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(rows, kv_heads, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def _sms(device: torch.device) -> int:
@@ -138,8 +125,6 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     splits = -(-S // chunk)
     direct = splits == 1
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
-    fold = bool(FOLD_COMBINE) and not direct
-    counters = _counters(q.device, B, Hkv) if fold else pos
     if direct:  # the split kernel writes the output; no partials, no combine launch
         o_part = m_part = l_part = out.new_empty(1, 1, 1, dtype=torch.float32)
     else:
@@ -151,18 +136,17 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
-        o_part, m_part, l_part, out, counters,
+        o_part, m_part, l_part, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
-        S, scale, chunk, D, prompt_len, splits if fold else 0,  # (0: no new specialisations unfolded)
+        S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        FOLD=fold, BLOCK_S=triton.next_power_of_2(splits) if fold else 1, DOT=bool(DOT),
-        IEEE=bool(DOT) and q.dtype == torch.float32, **pdl_args(q.device), **SPLIT_LAUNCH,
+        DOT=bool(DOT), IEEE=bool(DOT) and q.dtype == torch.float32, **pdl_args(q.device), **SPLIT_LAUNCH,
     )
-    if not direct and not fold:
+    if not direct:
         combine_kernel[(B, H)](
             o_part, m_part, l_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),

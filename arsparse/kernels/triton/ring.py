@@ -17,11 +17,7 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: per step at batch 256, run 9, and was removed.) ``merged``: a row's prompt, sinks and ring entries
 #: in one tile (batch 256, 576 tokens: diagonal 3.923 -> 3.781 ms per step, the ring kernel 1.956 ->
 #: 1.828 ms, run 12).
-#: ``dot`` (with ``merged``): the two products on tensor cores, the query as row 0 of a 16-row tile
-#: (sm_90 build of the engine's form: 1,192 instructions and 164 registers against the default's 1,512
-#: and 168; not yet timed: ``arsparse bench --variant ring.dot=1``).
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, dot=False,
-              num_warps=1)
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, num_warps=1)
 #: ``merged`` puts a row's prompt, sinks and ring entries in one tile only up to this many rows (or the
 #: ring's own tile size): a long caption prompt keeps its own tile.
 MERGED_ROWS = 64
@@ -32,7 +28,6 @@ _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     heads_first=_BOOL,
     early_loads=_BOOL,
     merged=_BOOL,
-    dot=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
@@ -173,16 +168,12 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_tile = triton.next_power_of_2(max(n_off, 1))
     merged_tile = triton.next_power_of_2(n_off + n_sinks + P)
     merged = cfg.pop("merged") and merged_tile <= max(MERGED_ROWS, ring_tile)
-    dot = cfg.pop("dot") and merged
-    if dot:  # (tensor-core products need 16 rows and columns at least)
-        merged_tile, blocks["BLOCK_D"] = max(merged_tile, 16), max(blocks["BLOCK_D"], 16)
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows,
         BLOCK_O=merged_tile if merged else ring_tile,
         HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
         EARLY=cfg.pop("early_loads"), MERGED=merged, ALIGN=_row_alignment(*tensors.values()) if merged else 1,
-        DOT=dot, IEEE=q.dtype == torch.float32,
         **blocks,
         **pdl_args(q.device), **cfg)
     return out
