@@ -47,19 +47,20 @@ class Variant:
     streams: int | None = None
     pdl: int | None = None  # programmatic dependent launch of the decode kernels (kernels/triton/_pdl.py)
     w13: int | None = None  # compiled path: w1 and w3 as one matrix product (models/gpt.py MERGE_FFN)
-    dense_dot: int | None = None  # the dense split kernel's products on tensor cores (decode.DOT)
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
+    dense: dict = field(default_factory=dict)  # dense split kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
 
 
-_SWITCHES = ("pdl", "w13", "dense_dot")  # (the variant settings that are 0 or 1)
+_SWITCHES = ("pdl", "w13")  # (the variant settings that are 0 or 1)
 
 
 def parse_variant(spec: str) -> Variant:
-    """``"streams=2,pdl=1,ring.rows_per_program=2,matvec.weights_first=0"`` -> a checked Variant."""
-    from .kernels.triton import matvec, ring
+    """``"streams=2,pdl=1,ring.rows_per_program=2,matvec.weights_first=0,dense.prefetch=1"`` -> a checked
+    Variant."""
+    from .kernels.triton import decode, matvec, ring
 
-    kw, given = {}, {"ring": {}, "matvec": {}}  # given: kernel -> {key: value text}
+    kw, given = {}, {"ring": {}, "matvec": {}, "dense": {}}  # given: kernel -> {key: value text}
     for item in filter(None, (t.strip() for t in spec.split(","))):
         key, sep, value = (t.strip() for t in item.partition("="))
         kernel, dot, name = key.partition(".")
@@ -73,17 +74,18 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, "
                              f"{', '.join(k + '=0|1' for k in _SWITCHES)}, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
-                             f"({', '.join(sorted(matvec.LAUNCH))})")
+                             f"({', '.join(sorted(matvec.LAUNCH))}), dense.KEY=INT ({', '.join(sorted(decode.LAUNCH))})")
     if kw.get("streams", 1) not in (1, 2) or any(kw.get(k, 0) not in (0, 1) for k in _SWITCHES):
         raise ValueError(f"variant streams must be 1 or 2, {', '.join(_SWITCHES)} 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
-    if given["matvec"]:
-        if not all(v.isdigit() for v in given["matvec"].values()):
-            raise ValueError(f"matvec variant settings take integers, got {given['matvec']}")
-        parsed = matvec.parse_launch(json.dumps({k: int(v) for k, v in given["matvec"].items()}))
-        kw["matvec"] = {k: parsed[k] for k in given["matvec"]}
+    for name, module in (("matvec", matvec), ("dense", decode)):
+        if given[name]:
+            if not all(v.isdigit() for v in given[name].values()):
+                raise ValueError(f"{name} variant settings take integers, got {given[name]}")
+            parsed = module.parse_launch(json.dumps({k: int(v) for k, v in given[name].items()}))
+            kw[name] = {k: parsed[k] for k in given[name]}
     return Variant(label=spec.strip(), **kw)
 
 
@@ -93,18 +95,17 @@ def _applied(variant: Variant):
     from .kernels.triton import _pdl, decode, matvec, ring
     from .models import gpt
 
-    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN, decode.DOT
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
+    decode.LAUNCH = {**decode.LAUNCH, **variant.dense}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
     if variant.w13 is not None:
         gpt.MERGE_FFN = bool(variant.w13)
-    if variant.dense_dot is not None:
-        decode.DOT = variant.dense_dot
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN, decode.DOT = saved
+        ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
 
 
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -142,14 +143,15 @@ def _random_gpt(cfg: GPTConfig, device, dtype) -> GPT:
 
 
 def _kernel_settings() -> dict:
-    """The ring kernel's launch settings and PDL (None without Triton), and the merged w1/w3, in effect."""
+    """The ring and dense kernels' launch settings and PDL (None without Triton), and the merged w1/w3, in
+    effect."""
     from .models import gpt
 
     try:
-        from .kernels.triton import _pdl, ring
+        from .kernels.triton import _pdl, decode, ring
     except ImportError:
-        return dict(ring_launch=None, pdl=None, w13=gpt.MERGE_FFN)
-    return dict(ring_launch=dict(ring.LAUNCH), pdl=_pdl.ENABLED, w13=gpt.MERGE_FFN)
+        return dict(ring_launch=None, dense_launch=None, pdl=None, w13=gpt.MERGE_FFN)
+    return dict(ring_launch=dict(ring.LAUNCH), dense_launch=dict(decode.LAUNCH), pdl=_pdl.ENABLED, w13=gpt.MERGE_FFN)
 
 
 def _matvec_launch() -> dict:
@@ -381,8 +383,9 @@ def add_bench_parser(sub) -> None:
                    help="also time every policy and batch with these settings on top of the run's, in the same "
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
-                        "dense_dot (0 or 1: the dense split kernel's products on tensor cores), "
-                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), e.g. 'ring.early_loads=1,pdl=1'")
+                        "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
+                        "kernel: block_n, small_block_n, num_warps, num_stages, dot and prefetch 0|1), "
+                        "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here")
     b.set_defaults(func=cmd_bench)

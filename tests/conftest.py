@@ -13,7 +13,7 @@ from arsparse.models.gpt import GPT
 def _interpreter_dot_takes_bf16_as_numbers() -> None:
     """Triton's interpreter (3.6-3.9) multiplies bf16 dot operands as the integers that hold their bits
     (numpy has no bf16): convert them to fp32 first, as the tensor cores read them. Kernels with
-    ``tl.dot`` on bf16 tiles (the dense split kernel's ``decode.DOT`` path) are then checked in bf16 on
+    ``tl.dot`` on bf16 tiles (the dense split kernel's ``decode.LAUNCH["dot"]`` path) are then checked in bf16 on
     the CPU."""
     if "triton.language" not in sys.modules:  # (imported first here, before a test module sets
         return  # TRITON_INTERPRET, triton's own jit functions would not run in the interpreter)

@@ -104,12 +104,14 @@ def _same(got: list, want: list) -> None:
     (4, 32, 8, 1120, 100, "rows", None),  # GQA, head_dim 100, t2i-like length, several splits
     (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
 ])
-@pytest.mark.parametrize("pdl", [0, 1])
-def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, monkeypatch):
-    from arsparse.kernels.triton import _pdl, decode_attention
+@pytest.mark.parametrize("pdl,launch", [(0, {}), (1, {}), (1, dict(prefetch=1, block_n=64)),
+                                        (0, dict(dot=1, num_warps=4))], ids=["", "pdl", "pdl-prefetch", "dot-4warps"])
+def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, launch, monkeypatch):
+    from arsparse.kernels.triton import _pdl, decode, decode_attention
     from conftest import random_decode_case
 
     monkeypatch.setattr(_pdl, "ENABLED", pdl)  # (split + combine launched with PDL: the same results)
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch))
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, S + D, "cuda")
     got = decode_attention(*inputs, num_splits=splits)
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
@@ -368,7 +370,7 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, me
 
 
 def test_tensor_core_dense_kernel_in_the_engine_on_gpu(monkeypatch):
-    """decode.DOT: the dense split kernel's products on tensor cores (probabilities in bf16, as
+    """decode.LAUNCH["dot"]: the dense split kernel's products on tensor cores (probabilities in bf16, as
     FlashAttention). The whole engine in bf16, MHA and GQA, graph-captured steps: the teacher-forced
     logits within bf16 noise of the default kernel's (the same argmax almost everywhere)."""
     from arsparse.kernels.triton import decode
@@ -379,7 +381,7 @@ def test_tensor_core_dense_kernel_in_the_engine_on_gpu(monkeypatch):
         tokens = torch.randint(0, model.config.vocab_size, (4, 256))
         make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton")  # noqa: E731
         want = make().cached_logits(cond, tokens).float()
-        monkeypatch.setattr(decode, "DOT", 1)
+        monkeypatch.setitem(decode.LAUNCH, "dot", 1)
         got = make().cached_logits(cond, tokens).float()
         assert (got - want).norm() / want.norm() < 2e-2
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95

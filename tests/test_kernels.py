@@ -38,14 +38,17 @@ def _same(got: list, want: list) -> None:
     (3, 4, 1, 150, 128, "rows", 2),  # per row, MQA, head_dim 128
     (2, 2, 2, 40, 8, "rows", 2),  # head_dim 8 (tensor-core tiles pad it to 16)
 ])
-@pytest.mark.parametrize("dot,dtype", [(0, torch.float32), (1, torch.float32), (1, torch.bfloat16), (1, torch.float16)],
-                         ids=["combine-launch", "dot", "dot-bf16", "dot-fp16"])
-def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, dot,
+@pytest.mark.parametrize("launch,dtype", [
+    ({}, torch.float32), (dict(dot=1), torch.float32), (dict(dot=1), torch.bfloat16), (dict(dot=1), torch.float16),
+    (dict(prefetch=1, block_n=16, small_block_n=16), torch.float32), (dict(prefetch=1, dot=1), torch.bfloat16)],
+    ids=["engine", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16"])
+def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, launch,
                                                        dtype):
-    """``dot``: the products on tensor cores (decode.DOT)."""
+    """``launch``: decode.LAUNCH settings: ``dot``, the products on tensor cores; ``prefetch``, the next
+    tile loaded before the current one is read (16-key tiles: many passes, a last partial one)."""
     from arsparse.kernels.triton import decode
 
-    monkeypatch.setattr(decode, "DOT", dot)
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch))
     tol = TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, dtype, S * 7 + D + B, DEVICE)
     got = decode_attention(*inputs, num_splits=splits)
@@ -55,14 +58,29 @@ def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypat
 
 
 def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
-    """Below one (row, kv head) pair per SM (8 off CUDA) the split kernel takes SMALL_BLOCK_N tiles,
+    """Below one (row, kv head) pair per SM (8 off CUDA) the split kernel takes small_block_n tiles,
     and choose_splits caps the splits at the cache's tiles of that size."""
     from arsparse.kernels.triton import decode
 
     cpu = torch.device("cpu")
-    assert decode.block_n(1, 7, cpu) == decode.SMALL_BLOCK_N < decode.block_n(2, 4, cpu) == decode.BLOCK_N
-    assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // decode.SMALL_BLOCK_N)  # 32 wanted
-    assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // decode.BLOCK_N)  # 4 wanted
+    small, big = decode.LAUNCH["small_block_n"], decode.LAUNCH["block_n"]
+    assert decode.block_n(1, 7, cpu) == small < decode.block_n(2, 4, cpu) == big
+    assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // small)  # 32 wanted
+    assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // big)  # 4 wanted
+
+
+def test_dense_launch_settings_parse_and_reject_bad_ones():
+    from arsparse.kernels.triton import decode
+
+    assert decode.parse_launch('{"block_n": 64, "prefetch": 1}') == dict(decode.LAUNCH, block_n=64, prefetch=1)
+    assert decode.parse_launch("{}") == decode.LAUNCH
+    for text, msg in (("block_n=64", "must be a JSON object"), ('{"warps": 2}', r"keys from \['block_n'"),
+                      ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
+                      ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 3}', "power of 2 >= 1"),
+                      ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
+                      ('{"dot": true}', "dot=True is invalid")):
+        with pytest.raises(ValueError, match=msg):
+            decode.parse_launch(text)
 
 
 def test_decode_attention_strided_inputs_and_cache_slice():
@@ -221,7 +239,10 @@ def test_dense_kernel_compiles_for_hopper():
               "small-tiles-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True), 2,
                                   PDL_PTX + ["ld.global before wait <= 0"]),
               "gqa-span-d128": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, BLOCK_D=128, DIRECT=False, HAS_SPAN=True), 4),
-              # tensor-core products (decode.DOT)
+              "prefetch-64": (dict(base, BLOCK_N=64, PREFETCH=True), 2),
+              "prefetch-gqa-span-pdl": (dict(base, G=4, BLOCK_G=4, BLOCK_N=32, DIRECT=False, HAS_SPAN=True, PREFETCH=True,
+                                             PDL=True), 4, PDL_PTX),
+              # tensor-core products (decode.LAUNCH["dot"])
               "dot": (dict(base, BLOCK_G=16, DOT=True), 2, ["mma.sync"]),
               "dot-gqa-span-pdl": (dict(base, G=4, BLOCK_G=16, BLOCK_N=64, DIRECT=False, HAS_SPAN=True, DOT=True,
                                         PDL=True), 4, PDL_PTX + ["mma.sync"])}

@@ -252,22 +252,24 @@ def test_bench_variants_parse_apply_and_restore():
     from arsparse.models import gpt
 
     def settings():
-        return dict(ring.LAUNCH), dict(matvec.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN, decode.DOT
+        return dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
 
-    flip, w13, dot = 1 - _pdl.ENABLED, 1 - int(gpt.MERGE_FFN), 1 - decode.DOT
+    flip, w13, pre = 1 - _pdl.ENABLED, 1 - int(gpt.MERGE_FFN), 1 - decode.LAUNCH["prefetch"]
     v = parse_variant(f" ring.rows_per_program=2, ring.late_cast=1,ring.heads_first=1,streams=2,matvec.weights_first=0,"
-                      f"pdl={flip},w13={w13},dense_dot={dot}")  # (not the defaults)
-    assert (v.streams, v.pdl, v.w13, v.dense_dot) == (2, flip, w13, dot)
+                      f"pdl={flip},w13={w13},dense.prefetch={pre}, dense.block_n=32")  # (not the defaults)
+    assert (v.streams, v.pdl, v.w13) == (2, flip, w13)
     assert (v.ring, v.matvec) == (dict(rows_per_program=2, late_cast=True, heads_first=True), dict(weights_first=0))
+    assert v.dense == dict(prefetch=pre, block_n=32)
     before = settings()
     with _applied(v):
         assert ring.LAUNCH == dict(before[0], rows_per_program=2, late_cast=True, heads_first=True)
         assert matvec.LAUNCH == dict(before[1], weights_first=0) and _pdl.ENABLED == flip
-        assert gpt.MERGE_FFN == bool(w13) and decode.DOT == dot
+        assert decode.LAUNCH == dict(before[2], prefetch=pre, block_n=32) and gpt.MERGE_FFN == bool(w13)
         assert _pdl.pdl_args(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)  # (only on CUDA)
     assert settings() == before
-    for spec, msg in (("streams=3", "streams must be 1 or 2"), ("pdl=2", "pdl, w13, dense_dot 0 or 1"),
-                      ("w13=5", "pdl, w13, dense_dot 0 or 1"), ("dense_dot=2", "pdl, w13, dense_dot 0 or 1"),
+    for spec, msg in (("streams=3", "streams must be 1 or 2"), ("pdl=2", "pdl, w13 0 or 1"),
+                      ("w13=5", "pdl, w13 0 or 1"), ("dense_dot=1", "unknown variant setting 'dense_dot=1'"),
+                      ("dense.block_n=48", "block_n=48 is invalid"), ("dense.dot=x", "dense variant settings take integers"),
                       ("warps=2", "unknown variant setting 'warps=2'"),
                       ("ring.num_warps=3", "num_warps=3 is invalid"), ("matvec.weights_first=x", "take integers"),
                       ("streams", "KEY=VALUE pairs")):

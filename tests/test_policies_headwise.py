@@ -267,7 +267,7 @@ def test_capacities_hold_at_every_step_and_keep_the_uniform_total(name, n_kv):
     gpt = random_gpt("c2i", image_tokens=36, n_kv_head=n_kv, seed=7)
     lay, cfg = gpt.layout, gpt.config
     pol = get(name, rho=0.5, calib_rows=2, recent=2)
-    u, L, Hkv = pol.capacity(lay), cfg.n_layer, cfg.kv_heads
+    u, Hkv = pol.capacity(lay), cfg.kv_heads
     large, n_cal = pol.large_capacity(lay), pol.calib_queries(lay)
     cond, tokens = random_cond(gpt, 4, seed=8), _tokens(gpt, 4, seed=9)
     assert pol.budget(lay).kept == lay.prefix_len + large  # the padded table, reported

@@ -190,11 +190,13 @@ def test_guided_sampling_masks_the_unconditional_rows_too():
     (3, 4, 4, 90, 32, 7, "rows", 1),  # one split: the output written directly
     (3, 8, 1, 200, 64, 130, 180, 2),  # MQA, one position for every row
 ])
-@pytest.mark.parametrize("dot", [0, 1], ids=["", "dot"])
-def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, monkeypatch, B, H, Hkv, S, D, P_, pos, splits, dot):
+@pytest.mark.parametrize("launch", [{}, dict(dot=1), dict(prefetch=1, block_n=32)], ids=["", "dot", "prefetch"])
+def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, monkeypatch, B, H, Hkv, S, D, P_, pos, splits,
+                                                    launch):
     from arsparse.kernels.triton import decode
 
-    monkeypatch.setattr(decode, "DOT", dot)  # (dot: the products on tensor cores; tiles of padding only)
+    # (dot: the products on tensor cores; prefetch: the next tile loaded first; tiles of padding only)
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch))
     g = torch.Generator().manual_seed(S + P_)
     q, k_new, v_new = (torch.randn(B, h, D, generator=g) for h in (H, Hkv, Hkv))
     kc, vc = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))

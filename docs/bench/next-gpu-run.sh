@@ -1,12 +1,13 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh a   # 576 tokens, batch 256: every policy in one table (issue 4), compiled
-#   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch and batch 1, with the tensor-core dense kernel
+#   bash docs/bench/next-gpu-run.sh a   # 576 tokens, batch 256: the dense kernel's launch settings; every policy
+#                                       # in one table (issue 4), compiled
+#   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch and batch 1: the dense kernel's variants
 # and the quality sweeps (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
 # what it lists, carry .ft):
-#   SAMPLES=2000 POLICIES=diagonal,streaming,lines,h2o bash docs/eval/fd-infinity.sh sweep fashion
-#   SAMPLES=2000 POLICIES=diagonal,streaming,lines,h2o bash docs/eval/fd-infinity.sh sweep emoji
+#   SAMPLES=4000 POLICIES=diagonal,streaming bash docs/eval/fd-infinity.sh sweep fashion
+#   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -15,14 +16,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
 R=0.1424  # diagonal's default keeps 82 of 576 positions (prompt + sinks + ring)
+D="dense.block_n=64,dense.prefetch=1"  # the dense split kernel loading its next tile first (untimed)
 case ${1:?a or b} in
 a)
-  B 560 --image-tokens 576 --batch 256 --compile --profile --out "$OUT/b256-576-policies.json" \
-    --policies "dense;diagonal;streaming:rho=$R;lines:rho=$R;h2o:rho=$R;tova:rho=$R;headkv:rho=$R" | grep -v "^  " | tail -10 ;;
+  B 300 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" --variant "$D" \
+    --variant dense.block_n=64 --variant dense.num_warps=4 --variant "$D,dense.num_warps=4" --variant dense.num_stages=2 \
+    --out "$OUT/b256-576-dense-launch.json" | grep -v "^  " | tail -14
+  B 270 --image-tokens 576 --batch 256 --compile --out "$OUT/b256-576-policies.json" \
+    --policies "dense;diagonal;streaming:rho=$R;lines:rho=$R;h2o:rho=$R;tova:rho=$R;headkv:rho=$R" | tail -9 ;;
 b)
-  B 400 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --variant dense_dot=1 \
+  B 400 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --variant dense.dot=1 --variant "$D" \
     --out "$OUT/max1024.json" | tail -6
-  B 150 --image-tokens 576 --batch 1 --matvec --profile --policies "dense;diagonal" --variant dense_dot=1 \
+  B 150 --image-tokens 576 --batch 1 --matvec --profile --policies "dense;diagonal" --variant dense.prefetch=1 \
     --out "$OUT/b1-576.json" | grep -v "^  " | tail -6 ;;
 *) echo "part a or b, got $1"; exit 2 ;;
 esac

@@ -79,6 +79,7 @@ def decode_split_kernel(
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -136,11 +137,22 @@ def decode_split_kernel(
         m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for n_start in range(start, end, BLOCK_N):
-        n = n_start + offs_n
-        nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
-        k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
-        m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, tl.cast(scale, tl.float32), IEEE)
+    if PREFETCH:  # each pass loads the next tile before it attends over this one (past the end: all masked)
+        nmask = _tile_mask(start + offs_n, end, lo, hi, P, HAS_SPAN)
+        k, v = _load_tile(k_base, v_base, start + offs_n, nmask, sk_s, sv_s, offs_d, dmask)
+        for n_start in range(start + BLOCK_N, end + BLOCK_N, BLOCK_N):
+            n = n_start + offs_n
+            nmask_next = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
+            k_next, v_next = _load_tile(k_base, v_base, n, nmask_next, sk_s, sv_s, offs_d, dmask)
+            m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, tl.cast(scale, tl.float32), IEEE)
+            k, v, nmask = k_next, v_next, nmask_next
+    else:
+        for n_start in range(start, end, BLOCK_N):
+            n = n_start + offs_n
+            nmask = _tile_mask(n, end, lo, hi, P, HAS_SPAN)
+            k, v = _load_tile(k_base, v_base, n, nmask, sk_s, sv_s, offs_d, dmask)
+            m, l, acc = _attend_tile(k, v, nmask, qt, m, l, acc, HAS_SPAN, MHA, DOT, tl.cast(scale, tl.float32),
+                                     IEEE)
     if MHA:  # (back to the group's shapes)
         m = tl.zeros((BLOCK_G,), tl.float32) + m
         l = tl.zeros((BLOCK_G,), tl.float32) + l

@@ -1,22 +1,45 @@
 """Launch wrapper of split-KV decode attention: checks, split choice, scratch buffers."""
 from __future__ import annotations
 
+import json
+
 import torch
 import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 from ._pdl import pdl_args
 
-#: Keys per tile of a split when the (row, kv head) pairs fill the GPU; below one pair per SM (batch 1 in
-#: latency mode) tiles of SMALL_BLOCK_N and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us a call).
-BLOCK_N = 128
-SMALL_BLOCK_N = 64
-#: Launch options of the split kernel (the defaults were chosen by a sweep on an H200, see BENCHMARKS.md).
-SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
-#: 1: the split kernel's two products on tensor cores (the group's queries padded to 16 rows). Run 13
-#: (H200, ``arsparse bench --variant dense_dot=1``): dense at 1,024 tokens at max batch 21.23 -> 20.43 ms
-#: per step, at 576 tokens, batch 256 9.70 -> 9.94 ms; off by default until it wins both.
-DOT = 0
+#: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md): keys per tile of a split
+#: when the (row, kv head) pairs fill the GPU (``block_n``), and below one pair per SM (batch 1 in
+#: latency mode) tiles of ``small_block_n`` and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us
+#: a call); warps, stages. ``dot`` 1: its two products on tensor cores (the group's queries padded to 16
+#: rows; run 13, dense at 1,024 tokens at max batch 21.23 -> 20.43 ms per step, at 576 tokens, batch
+#: 256 9.70 -> 9.94 ms: off until it wins both). ``prefetch`` 1: each pass of the loop loads the next
+#: tile before it attends over this one (registers for two tiles: with 64-key tiles; not yet timed).
+LAUNCH = dict(block_n=128, small_block_n=64, num_warps=2, num_stages=3, dot=0, prefetch=0)
+
+
+def parse_launch(text: str) -> dict:
+    """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
+    powers of 2, tiles of 16 keys at least, ``dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
+    --variant dense.KEY=VALUE``."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dense launch settings must be a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(given, dict) or set(given) - set(LAUNCH):
+        raise ValueError(f"dense launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
+    for k, v in given.items():
+        if k in ("dot", "prefetch"):
+            ok, allowed = type(v) is int and v in (0, 1), "0 or 1"
+        elif k == "num_stages":
+            ok, allowed = type(v) is int and v >= 1, "an int >= 1"
+        else:
+            low = 1 if k == "num_warps" else 16
+            ok, allowed = type(v) is int and v >= low and not v & (v - 1), f"a power of 2 >= {low}"
+        if not ok:
+            raise ValueError(f"dense launch setting {k}={v!r} is invalid: must be {allowed}")
+    return dict(LAUNCH, **given)
 
 
 def _sms(device: torch.device) -> int:
@@ -25,7 +48,8 @@ def _sms(device: torch.device) -> int:
 
 def block_n(rows: int, kv_heads: int, device: torch.device) -> int:
     """Keys per tile of the split kernel for ``rows`` x ``kv_heads`` (row, head) pairs."""
-    return BLOCK_N if rows * kv_heads >= _sms(device) else min(BLOCK_N, SMALL_BLOCK_N)
+    big = LAUNCH["block_n"]
+    return big if rows * kv_heads >= _sms(device) else min(big, LAUNCH["small_block_n"])
 
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -131,8 +155,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         o_part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
         m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
-    block_d = max(16 if DOT else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
-    block_g = max(16 if DOT else 1, triton.next_power_of_2(G))  # columns at least)
+    dot = bool(LAUNCH["dot"])
+    block_d = max(16 if dot else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
+    block_g = max(16 if dot else 1, triton.next_power_of_2(G))  # columns at least)
     scale = D**-0.5 if scale is None else scale
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
@@ -144,7 +169,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        DOT=bool(DOT), IEEE=bool(DOT) and q.dtype == torch.float32, **pdl_args(q.device), **SPLIT_LAUNCH,
+        DOT=dot, IEEE=dot and q.dtype == torch.float32, PREFETCH=bool(LAUNCH["prefetch"]), **pdl_args(q.device),
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )
     if not direct:
         combine_kernel[(B, H)](
