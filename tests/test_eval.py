@@ -175,9 +175,10 @@ def test_fd_bootstrap_setting_is_checked(capsys):
     for bad in (1, -2, True, 2.5):
         with pytest.raises(ValueError, match="fd_bootstrap is a number of resamples"):
             EvalConfig(fd_bootstrap=bad)
-    for flags in (["--fd-bootstrap", "50"], ["--fd-infinity"]):
-        assert eval_main(["--sweep-rho", "0.2", *flags, "--quiet"]) == 2
-        assert "--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho" in capsys.readouterr().err
+    assert eval_main(["--sweep-rho", "0.2", "--sweep-frechet", "--fd-bootstrap", "50", "--quiet"]) == 2
+    assert "--fd-bootstrap applies to the eval, not to --sweep-rho" in capsys.readouterr().err
+    assert eval_main(["--sweep-rho", "0.2", "--fd-infinity", "--quiet"]) == 2
+    assert "--fd-infinity measures generated images: with --sweep-rho it needs --sweep-frechet" in capsys.readouterr().err
     assert eval_main(["--sweep-rho", "0.2", "--kid", "100", "--quiet"]) == 2
     assert "--kid measures generated images: with --sweep-rho it needs --sweep-frechet" in capsys.readouterr().err
     for bad in (dict(kid_subsets=-1), dict(kid_subsets=True), dict(kid_subset_size=1), dict(kid_subset_size=5.0)):

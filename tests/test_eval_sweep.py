@@ -263,26 +263,35 @@ def test_sweep_from_the_command_line_with_frechet(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(mobilenet, "find_mobilenet_weights", lambda path=None: None)
     out = tmp_path / "sw"
     base = ["--model", "random-small", "--policies", "dense,streaming,h2o", "--nll-images", "4", "--num-samples",
-            "6", "--batch-size", "6", "--classifier", str(_fashion_classifier()), "--out", str(out), "--quiet"]
+            "8", "--batch-size", "8", "--classifier", str(_fashion_classifier()), "--out", str(out), "--quiet"]
     assert eval_main(base + ["--sweep-rho", "0.3,0.7", "--sweep-frechet", "--sweep-tolerance", "5", "--kid", "4",
-                             "--kid-subset-size", "5"]) == 0
+                             "--kid-subset-size", "5", "--fd-infinity"]) == 0
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["tolerance"] == 0.05 and saved["config"]["frechet"] and saved["config"]["rhos"] == [0.3, 0.7]
     dense_kid = saved["rows"][0]["kid_classifier"]  # (an unbiased estimate: may fall to or below 0)
-    assert saved["metrics"] == ["nll_bits_per_token", "fd_classifier", "kid_classifier"]  # (no MobileNetV2 here)
+    metrics = ["nll_bits_per_token", "fd_classifier", "fd_classifier_inf", "kid_classifier"]  # (no MobileNetV2 here)
+    assert saved["metrics"] == metrics
     assert len(saved["rows"]) == 1 + 2 * 2
     for r in saved["rows"]:
         assert r["fd_classifier"] > 0 and 0 <= r["class_accuracy"] <= 1 and np.isfinite(r["kid_classifier"])
         want = (r["kid_classifier"] - dense_kid) / dense_kid if dense_kid > 0 else None
         assert r["kid_classifier_rel_to_dense"] == (pytest.approx(want) if want is not None else None)
+        assert np.isfinite(r["fd_classifier_inf"]) and "fd_dims" not in r
     assert saved["rows"][0]["fd_classifier_rel_to_dense"] == 0.0
-    assert set(saved["crossings"]["h2o"]) == {"nll_bits_per_token", "fd_classifier", "kid_classifier"}
+    assert set(saved["crossings"]["h2o"]) == set(metrics)
+    # the extrapolation is the eval's, on the same images: a plain eval's dense row agrees
+    assert eval_main(base + ["--policies", "dense", "--fd-infinity", "--out", str(tmp_path / "ev")]) == 0
+    ev = json.loads((tmp_path / "ev" / "eval.json").read_text())["rows"][0]
+    assert ev["policy"] == "dense" and ev["fd_classifier_inf"] == pytest.approx(saved["rows"][0]["fd_classifier_inf"])
+    assert "extrapolated" in (out / "sweep.md").read_text()
     if dense_kid <= 0:  # (no relative costs to a base at or below 0)
         assert saved["crossings"]["h2o"]["kid_classifier"]["status"] == "no data"
     assert "within 5%" in capsys.readouterr().out
     # The sweep alone (no value) takes the default budgets; flags that do not fit are refused.
     assert eval_main(base + ["--sweep-rho", "--match-budget"]) == 2
     assert eval_main(base + ["--sweep-frechet"]) == 2
+    assert eval_main(base + ["--sweep-rho", "0.5", "--fd-infinity"]) == 2  # (no generation to extrapolate)
+    assert eval_main(base + ["--sweep-rho", "0.5", "--sweep-frechet", "--fd-bootstrap", "5"]) == 2
     assert eval_main(base + ["--sweep-rho", "0.5", "--policy-arg", "h2o:rho=0.2"]) == 2
     assert "conflicts with the sweep" in capsys.readouterr().err
 

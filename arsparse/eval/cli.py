@@ -61,8 +61,10 @@ def cmd_eval(args) -> int:
     sweeping = args.sweep_rho is not None
     if sweeping and args.match_budget:
         raise ValueError("--match-budget does not apply to --sweep-rho: the sweep sets every policy's budget")
-    if sweeping and (args.fd_bootstrap or args.fd_infinity):
-        raise ValueError("--fd-bootstrap and --fd-infinity apply to the eval, not to --sweep-rho")
+    if sweeping and args.fd_bootstrap:
+        raise ValueError("--fd-bootstrap applies to the eval, not to --sweep-rho")
+    if sweeping and args.fd_infinity and not args.sweep_frechet:
+        raise ValueError("--fd-infinity measures generated images: with --sweep-rho it needs --sweep-frechet")
     if sweeping and args.kid and not args.sweep_frechet:
         raise ValueError("--kid measures generated images: with --sweep-rho it needs --sweep-frechet")
     if not sweeping and args.sweep_frechet:

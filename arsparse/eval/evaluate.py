@@ -580,7 +580,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
                                   progress, cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
-        _note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)
+        note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)
         for m in inf_metrics:
             note = f"{m} of dense is not above 0: no relative gaps for it (too few samples to extrapolate from)"
             if name == "dense" and q.get(m) is not None and q[m] <= 0 and note not in notes:
@@ -612,7 +612,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     return result
 
 
-def _note_infinity(dims: dict, n: int, notes: list) -> None:
+def note_infinity(dims: dict, n: int, notes: list) -> None:
     """Say (once) where the extrapolation to infinitely many samples starts from subsets of fewer than
     twice the features' dimension: there the 1/n fit is off (on Gaussians in 256 dimensions, 250
     samples: 143 for a true 117.5; 1,000: 116.2)."""

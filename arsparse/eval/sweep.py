@@ -7,7 +7,8 @@ sequence, layer and head) on the same held-out images, conditions and seeds:
   one teacher-forced pass per (policy, budget);
 * with ``frechet=True`` also the Fréchet distances and class accuracy of ``num_samples`` generated
   images per (policy, budget), which costs a full generation each (and, with ``kid_subsets``, the
-  kernel distances of the same images).
+  kernel distances of the same images; with ``fd_infinity``, each Fréchet distance extrapolated to
+  infinitely many samples too, whose relative gaps the finite-sample bias does not compress).
 
 A budget is met by :func:`~arsparse.eval.evaluate.policy_at_budget`: the most kept entries that do
 not exceed ``floor(rho * dense)``. Policies keep whole units (``diagonal`` whole image rows), so
@@ -28,8 +29,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .evaluate import (EvalConfig, HeldOut, policy_at_budget, prepare_bench, run_info, sampled_quality,
-                       teacher_forced_metrics)
+from .evaluate import (EvalConfig, HeldOut, note_infinity, policy_at_budget, prepare_bench, run_info,
+                       sampled_quality, teacher_forced_metrics)
 
 __all__ = ["DEFAULT_RHOS", "SWEEP_METRICS", "check_rhos", "parse_rhos", "crossing", "rel_key", "sweep", "sweep_markdown",
            "plot_sweep", "write_sweep"]
@@ -38,7 +39,9 @@ __all__ = ["DEFAULT_RHOS", "SWEEP_METRICS", "check_rhos", "parse_rhos", "crossin
 DEFAULT_RHOS = (0.06, 0.09, 0.12, 0.18, 0.25, 0.35, 0.5)
 #: Metrics a sweep finds crossings for (lower is better for each), with their labels.
 SWEEP_METRICS = {"nll_bits_per_token": "NLL", "fd_classifier": "FD classifier", "fd_mobilenet": "FD MobileNetV2",
-                 "fid": "FID", "kid_classifier": "KID classifier", "kid_mobilenet": "KID MobileNetV2", "kid": "KID"}
+                 "fid": "FID", "fd_classifier_inf": "FD classifier (extrapolated)",
+                 "fd_mobilenet_inf": "FD MobileNetV2 (extrapolated)", "fid_inf": "FID (extrapolated)",
+                 "kid_classifier": "KID classifier", "kid_mobilenet": "KID MobileNetV2", "kid": "KID"}
 _RHO_HELP = "rho is kept / dense KV entries, a number in (0, 1]"
 
 
@@ -200,6 +203,7 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
             if frechet:
                 q, _ = sampled_quality(gpt, tokenizer, bench, cfg, group[key] if key != "dense" else None,
                                        f"generate {key}", progress)
+                note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)  # (with cfg.fd_infinity)
                 runs[key][1].update(q)
         _summarize(result, done=i + 1 == len(groups))
         result["wall_s"] = round(time.time() - t_start, 1)
@@ -263,10 +267,14 @@ def plot_sweep(result: dict, path) -> None:
     from matplotlib.ticker import FuncFormatter
 
     metrics, tol = result["metrics"], 100 * result["tolerance"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.6), squeeze=False)
+    cols = min(4, len(metrics))
+    grid_rows = -(-len(metrics) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(6.4 * cols, 4.6 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(metrics):]:
+        ax.axis("off")
     names = list(result["crossings"])
     colours = plt.get_cmap("tab10")
-    for ax, m in zip(axes[0], metrics):
+    for ax, m in zip(axes.flat, metrics):
         for i, name in enumerate(names):
             pts = sorted((r["rho"], 100 * r[rel_key(m)]) for r in result["rows"]
                          if r["policy"] == name and not r["error"] and r.get(rel_key(m)) is not None)
@@ -305,6 +313,10 @@ def write_sweep(result: dict, out_dir) -> None:
     if c["frechet"]:
         lines.append(f"- generation: {c['num_samples']} images per policy and budget; {result['conditions']}; "
                      f"guidance {c['cfg_scale']}; Fréchet reference: {result['fd_reference']}")
+        if c.get("fd_infinity"):
+            lines.append("- \"(extrapolated)\": Fréchet distances extrapolated to infinitely many generated samples "
+                         "(d_inf + k / n fitted over random subsets of half to all of them, the same subsets for every "
+                         "policy and budget; Chong & Forsyth 2020)")
     lines += [f"- note: {n}" for n in result["notes"]]
     if not result["complete"]:
         lines.append("- **partial**: the run stopped before every policy was measured")

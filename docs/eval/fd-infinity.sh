@@ -16,9 +16,9 @@
 # run: `arsparse eval --policies $POLICIES --match-budget --num-samples $SAMPLES --fd-infinity
 # --fd-bootstrap $BOOTSTRAP --kid $KID --fd-floor 0` on seeds $SEED + i, fp32; returns eval.json, eval.md and
 # log.txt in $OUT. The eval writes after every policy, so a call cut short keeps what it measured.
-# sweep: `arsparse eval --policies $POLICIES --sweep-rho $RHOS --sweep-frechet --kid $KID --num-samples
-# $SAMPLES` (each policy at each budget; where each comes within 2 % of dense on NLL, the Fréchet
-# distances and KID); returns sweep.json, sweep.md, sweep.png and log.txt.
+# sweep: `arsparse eval --policies $POLICIES --sweep-rho $RHOS --sweep-frechet --fd-infinity --kid $KID
+# --num-samples $SAMPLES` (each policy at each budget; where each comes within 2 % of dense on NLL, the
+# Fréchet distances, raw and extrapolated, and KID); returns sweep.json, sweep.md, sweep.png and log.txt.
 # (A CPU smoke test: DEVICE=cpu SAMPLES=8 NLL_IMAGES=2 BOOTSTRAP=0 EVAL_ARGS="--ref-images 40" ... run.)
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
@@ -60,7 +60,7 @@ xz -dc .ft/gpt.safetensors.xz > /tmp/fd-gpt.safetensors && sha256sum /tmp/fd-gpt
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 if [ "$what" = sweep ]; then
   timeout "$LIMIT" $PY -m arsparse.cli eval --model $model --gpt-ckpt /tmp/fd-gpt.safetensors --policies "$POLICIES" \
-    --sweep-rho "${RHOS:-0.12,0.18,0.25,0.35}" --sweep-frechet --num-samples "$SAMPLES" --seed "$SEED" \
+    --sweep-rho "${RHOS:-0.12,0.18,0.25,0.35}" --sweep-frechet --fd-infinity --num-samples "$SAMPLES" --seed "$SEED" \
     --nll-images "$NLL_IMAGES" --kid "$KID" --fd-floor 0 $mob $EVAL_ARGS --dtype fp32 --device "$DEVICE" --quiet \
     --out "$OUT" > "$OUT/log.txt" 2>&1 || echo "sweep stopped early (status $?): see log.txt"
   grep -E "^\|" "$OUT/sweep.md" || tail -20 "$OUT/log.txt"
