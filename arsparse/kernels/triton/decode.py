@@ -1,13 +1,12 @@
 """Launch wrapper of split-KV decode attention: checks, split choice, scratch buffers."""
 from __future__ import annotations
 
-import json
-
 import torch
 import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 from ._pdl import pdl_args
+from .settings import json_settings
 
 #: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md): keys per tile of a split
 #: when the (row, kv head) pairs fill the GPU (``block_n``), and below one pair per SM (batch 1 in
@@ -23,12 +22,7 @@ def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
     powers of 2, tiles of 16 keys at least, ``dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
     --variant dense.KEY=VALUE``."""
-    try:
-        given = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"dense launch settings must be a JSON object, got {text!r} ({e.msg})") from None
-    if not isinstance(given, dict) or set(given) - set(LAUNCH):
-        raise ValueError(f"dense launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
+    given = json_settings(text, LAUNCH, "dense launch")
     for k, v in given.items():
         if k in ("dot", "prefetch"):
             ok, allowed = type(v) is int and v in (0, 1), "0 or 1"

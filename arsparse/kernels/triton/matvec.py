@@ -6,13 +6,12 @@ transformer block's projections folded in (RMSNorm, the residual adds, SwiGLU's 
 """
 from __future__ import annotations
 
-import json
-
 import torch
 import triton
 
 from ._matvec import matvec_kernel
 from ._pdl import pdl_args
+from .settings import json_settings
 
 #: Rows one launch takes (each weight tile is multiplied into every row in registers).
 MAX_ROWS = 16
@@ -30,12 +29,7 @@ LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 16, "num_warps": 8}'`` -> :data:`LAUNCH` with those settings (positive ints,
     block sizes powers of 2). For ``arsparse bench --matvec-launch``."""
-    try:
-        given = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"matvec launch settings must be a JSON object, got {text!r} ({e.msg})") from None
-    if not isinstance(given, dict) or set(given) - set(LAUNCH):
-        raise ValueError(f"matvec launch settings must be a JSON object with keys from {sorted(LAUNCH)}, got {text!r}")
+    given = json_settings(text, LAUNCH, "matvec launch")
     for k, v in given.items():
         if k == "weights_first":
             if v not in (0, 1):
