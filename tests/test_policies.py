@@ -243,6 +243,11 @@ def test_bench_ratios_against_dense():
                   variant="streams=2")]
     _add_ratios(rows)
     assert rows[2]["x_dense_same_batch"] == 2.5 and rows[5]["x_dense_same_batch"] == 4.5
+    # against the fastest dense row of any variant: the same batch, or each at its max batch
+    rows.append(dict(policy="dense", kernel="triton", batch=480, max_batch=True, images_per_s=50.0, variant="dot"))
+    _add_ratios(rows)
+    assert [r["x_fastest_dense"] for r in rows] == [1.0, 0.8, 2.5, 4.0, 20 / 30, 3.0, 1.0]
+    assert rows[3]["x_dense_max_batch"] == 5.0  # (against dense in its own variant, as before)
 
 
 def test_bench_variants_parse_apply_and_restore():

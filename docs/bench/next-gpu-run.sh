@@ -4,9 +4,11 @@
 #   bash docs/bench/next-gpu-run.sh a   # 576 tokens, batch 256: the dense kernel's launch settings; every policy
 #                                       # in one table (issue 4), compiled
 #   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch and batch 1: the dense kernel's variants
-# and the quality sweeps (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
-# what it lists, carry .ft):
+# and the quality calls (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
+# what it lists, carry .ft): every policy at diagonal's memory, then where diagonal and streaming cross 2 %:
+#   SAMPLES=4000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run fashion
 #   SAMPLES=4000 POLICIES=diagonal,streaming bash docs/eval/fd-infinity.sh sweep fashion
+#   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).

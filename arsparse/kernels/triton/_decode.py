@@ -91,7 +91,8 @@ def decode_split_kernel(
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, it waits for them first.
     (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
     BENCHMARKS run 11.) ``DOT``: the products on tensor cores (BLOCK_G >= 16; see :func:`_attend_tile`),
-    positions in 32 bits.
+    positions in 32 bits. ``PREFETCH``: each pass of the loop issues the next tile's loads before it
+    reduces the current tile (two tiles in registers), so loads and arithmetic overlap.
     """
     launch_next(PDL)
     wait_prior(PDL)
