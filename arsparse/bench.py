@@ -284,7 +284,7 @@ def _profile_step(run, c, N: int, steps: int = 3, top: int = 12) -> list:
 def _add_ratios(rows: list[dict]) -> None:
     """Speed-up over dense (same kernel and variant) at the same batch, and max batch against dense's max
     batch; and against the fastest dense row of any kernel and variant in the run, at the same batch (or
-    each at its max batch): the ratio no choice of dense settings can make larger."""
+    each at its max batch): the smallest speed-up over any dense setting timed in the run."""
     all_dense = [d for d in rows if d["policy"].split(":")[0] == "dense"]
     for r in rows:
         dense = [d for d in all_dense if d["kernel"] == r["kernel"] and d.get("variant", "") == r.get("variant", "")]

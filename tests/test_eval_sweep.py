@@ -284,6 +284,10 @@ def test_sweep_from_the_command_line_with_frechet(tmp_path, monkeypatch, capsys)
     ev = json.loads((tmp_path / "ev" / "eval.json").read_text())["rows"][0]
     assert ev["policy"] == "dense" and ev["fd_classifier_inf"] == pytest.approx(saved["rows"][0]["fd_classifier_inf"])
     assert "extrapolated" in (out / "sweep.md").read_text()
+    # the notes: subsets of 4 to 8 samples (fewer than twice the features), and dense's extrapolation at or below 0
+    assert any(n.startswith("fd_classifier_inf extrapolates from subsets of 4 to 8 samples") for n in saved["notes"])
+    below = "fd_classifier_inf of dense is not above 0: no relative gaps for it (too few samples to extrapolate from)"
+    assert (below in saved["notes"]) == (saved["rows"][0]["fd_classifier_inf"] <= 0)
     if dense_kid <= 0:  # (no relative costs to a base at or below 0)
         assert saved["crossings"]["h2o"]["kid_classifier"]["status"] == "no data"
     assert "within 5%" in capsys.readouterr().out

@@ -40,7 +40,8 @@ def _same(got: list, want: list) -> None:
 ])
 @pytest.mark.parametrize("launch,dtype", [
     ({}, torch.float32), (dict(dot=1), torch.float32), (dict(dot=1), torch.bfloat16), (dict(dot=1), torch.float16),
-    (dict(prefetch=1, block_n=16, small_block_n=16), torch.float32), (dict(prefetch=1, dot=1), torch.bfloat16)],
+    (dict(prefetch=1, block_n=16, small_block_n=16), torch.float32),
+    (dict(prefetch=1, dot=1, block_n=16, small_block_n=16), torch.bfloat16)],
     ids=["engine", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16"])
 def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, launch,
                                                        dtype):
@@ -67,6 +68,7 @@ def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
     assert decode.block_n(1, 7, cpu) == small < decode.block_n(2, 4, cpu) == big
     assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // small)  # 32 wanted
     assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // big)  # 4 wanted
+    assert decode.choose_splits(8, 1, 200, cpu, tile=16) == 4 and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
 
 
 def test_dense_launch_settings_parse_and_reject_bad_ones():
@@ -76,7 +78,7 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
     assert decode.parse_launch("{}") == decode.LAUNCH
     for text, msg in (("block_n=64", "must be a JSON object"), ('{"warps": 2}', r"keys from \['block_n'"),
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
-                      ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 3}', "power of 2 >= 1"),
+                      ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),
                       ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
                       ('{"dot": true}', "dot=True is invalid")):
         with pytest.raises(ValueError, match=msg):

@@ -190,7 +190,9 @@ def test_guided_sampling_masks_the_unconditional_rows_too():
     (3, 4, 4, 90, 32, 7, "rows", 1),  # one split: the output written directly
     (3, 8, 1, 200, 64, 130, 180, 2),  # MQA, one position for every row
 ])
-@pytest.mark.parametrize("launch", [{}, dict(dot=1), dict(prefetch=1, block_n=32)], ids=["", "dot", "prefetch"])
+@pytest.mark.parametrize("launch", [{}, dict(dot=1), dict(prefetch=1, block_n=32),
+                                    dict(prefetch=1, dot=1, block_n=16, small_block_n=16)],
+                         ids=["", "dot", "prefetch", "prefetch-dot"])
 def test_dense_kernel_skips_padded_prompt_positions(poisoned_empty, monkeypatch, B, H, Hkv, S, D, P_, pos, splits,
                                                     launch):
     from arsparse.kernels.triton import decode

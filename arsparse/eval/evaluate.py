@@ -580,11 +580,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
                                   progress, cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
-        note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)
-        for m in inf_metrics:
-            note = f"{m} of dense is not above 0: no relative gaps for it (too few samples to extrapolate from)"
-            if name == "dense" and q.get(m) is not None and q[m] <= 0 and note not in notes:
-                notes.append(note)
+        note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes, q if name == "dense" else None)
         b = budgets[name]
         row = dict(policy=name, params=pol.params(), source=type(pol).source,
                    budget=dict(read=round(b.read, 2), kept=b.kept, dense=b.dense, rho=round(b.rho, 4)),
@@ -612,10 +608,11 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     return result
 
 
-def note_infinity(dims: dict, n: int, notes: list) -> None:
+def note_infinity(dims: dict, n: int, notes: list, dense: dict | None = None) -> None:
     """Say (once) where the extrapolation to infinitely many samples starts from subsets of fewer than
     twice the features' dimension: there the 1/n fit is off (on Gaussians in 256 dimensions, 250
-    samples: 143 for a true 117.5; 1,000: 116.2)."""
+    samples: 143 for a true 117.5; 1,000: 116.2). ``dense``: dense's metrics, whose extrapolated
+    distances at or below 0 leave no relative gaps (said too)."""
     if not dims:  # (no extrapolation asked for)
         return
     smallest = subset_sizes(n)[0]
@@ -623,6 +620,10 @@ def note_infinity(dims: dict, n: int, notes: list) -> None:
         note = (f"{metric}_inf extrapolates from subsets of {smallest} to {n} samples of {d}-dimensional features: "
                 f"below 2 x {d} rows the 1/n fit is unreliable; use more samples")
         if smallest < 2 * d and note not in notes:
+            notes.append(note)
+        value = (dense or {}).get(f"{metric}_inf")
+        note = f"{metric}_inf of dense is not above 0: no relative gaps for it (too few samples to extrapolate from)"
+        if value is not None and value <= 0 and note not in notes:
             notes.append(note)
 
 

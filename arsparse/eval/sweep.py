@@ -203,7 +203,7 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
             if frechet:
                 q, _ = sampled_quality(gpt, tokenizer, bench, cfg, group[key] if key != "dense" else None,
                                        f"generate {key}", progress)
-                note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes)  # (with cfg.fd_infinity)
+                note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes, q if key == "dense" else None)
                 runs[key][1].update(q)
         _summarize(result, done=i + 1 == len(groups))
         result["wall_s"] = round(time.time() - t_start, 1)

@@ -200,11 +200,11 @@ class SlotKVCache(_PromptCache):
         self.spos = torch.full((L, rows, Hkv, C), -1, dtype=torch.long, device=device)
         self.score = torch.zeros(L, rows, Hkv, C, dtype=torch.float32, device=device)
         if kernel == "triton":  # splits fixed per cache: the captured step has static launches
-            from ..kernels.triton import slot_decode_attention
+            from ..kernels.triton import slot_decode_attention, slots
             from ..kernels.triton.decode import choose_splits
 
             self._attend_slots = partial(slot_decode_attention,
-                                         num_splits=choose_splits(rows, Hkv, C, torch.device(device)))
+                                         num_splits=choose_splits(rows, Hkv, C, torch.device(device), tile=slots.BLOCK_N))
         else:
             self._attend_slots = slot_decode_attention_ref
 

@@ -53,15 +53,15 @@ def sweep_dense(rows):
     kvs = rotating(lambda: (r(B, H, S, D), r(B, H, S, D)), 2 * B * H * S * D * 2)
     k, v = next(kvs)
     nbytes = B * H * (pos + 1) * D * 2 * 2
-    engine = (decode.block_n(B, H, q.device), dict(decode.SPLIT_LAUNCH))
-    saved = decode.BLOCK_N, decode.SMALL_BLOCK_N
+    saved = decode.LAUNCH
+    engine = (decode.block_n(B, H, q.device), {k: saved[k] for k in ("num_warps", "num_stages")})
     # (num_stages: runs 3-7 found no difference)
     for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (3,)):
-        decode.BLOCK_N = decode.SMALL_BLOCK_N = bn  # (whatever the number of rows)
-        decode.SPLIT_LAUNCH = dict(num_warps=nw, num_stages=ns)
+        # (the tile whatever the number of rows)
+        decode.LAUNCH = dict(saved, block_n=bn, small_block_n=bn, num_warps=nw, num_stages=ns)
         us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p))
         rows.append(dict(kernel="dense", BLOCK_N=bn, num_warps=nw, num_stages=ns, us=us, gb_s=nbytes / us / 1e3))
-    (decode.BLOCK_N, decode.SMALL_BLOCK_N), decode.SPLIT_LAUNCH = saved, engine[1]
+    decode.LAUNCH = saved
     p_rows = torch.randint(S // 4, S, (B,), device=dev, generator=g)  # continuous batching: a position per row
     us = timeit(lambda: decode_attention(q, k_new, v_new, *next(kvs), p_rows))
     rows_bytes = B * H * (p_rows.float().mean().item() + 1) * D * 2 * 2

@@ -4,7 +4,9 @@ main loop (else the kernel) before its first shuffle or matrix product, i.e. bef
 loaded tile. What BENCHMARKS.md quotes for untimed kernel forms; proxies only: run 12's ring kernel got
 faster with fewer instructions, but run 13's dense split kernel got 31 % slower with fewer
 instructions and registers, when its loads ahead fell from 17 to 2 (ptxas put each load next to its
-use, so their latencies add up).
+use, so their latencies add up). Versions schedule differently: Triton 3.9 (its own ptxas) issues
+dense-64-prefetch's next-tile loads after the current tile's score reduction (0 ahead), Triton 3.6
+before it (16): count with the H200's 3.6.
 
     PYTHONPATH=. python3 docs/bench/sm90_build.py [BUILD ...]     # default: every build below
 
@@ -23,6 +25,7 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas  # (the ptxas Triton itself assembles with)
 from triton.compiler import ASTSource
 
 _RING_PTR = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
@@ -70,7 +73,7 @@ def build(module: str, name: str, pointers: dict, const: dict, warps: int, stage
         open(ptx, "w").write(built.asm["ptx"])
         sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                               check=True).stdout
-        info = subprocess.run([os.path.join(tools, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o", os.devnull],
+        info = subprocess.run([get_ptxas(90).path, "--gpu-name", "sm_90a", "-v", ptx, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
     count, labels, loop, start, ops, loads, waits = 0, {}, None, 0, collections.Counter(), [], []
     for line in sass.splitlines():

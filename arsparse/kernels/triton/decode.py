@@ -14,7 +14,8 @@ from .settings import json_settings
 #: a call); warps, stages. ``dot`` 1: its two products on tensor cores (the group's queries padded to 16
 #: rows; run 13, dense at 1,024 tokens at max batch 21.23 -> 20.43 ms per step, at 576 tokens, batch
 #: 256 9.70 -> 9.94 ms: off until it wins both). ``prefetch`` 1: each pass of the loop loads the next
-#: tile before it attends over this one (registers for two tiles: with 64-key tiles; not yet timed).
+#: tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or less,
+#: 128-key tiles spill; not yet timed).
 LAUNCH = dict(block_n=128, small_block_n=64, num_warps=2, num_stages=3, dot=0, prefetch=0)
 
 
@@ -28,9 +29,10 @@ def parse_launch(text: str) -> dict:
             ok, allowed = type(v) is int and v in (0, 1), "0 or 1"
         elif k == "num_stages":
             ok, allowed = type(v) is int and v >= 1, "an int >= 1"
+        elif k == "num_warps":
+            ok, allowed = v in (1, 2, 4, 8, 16) and type(v) is int, "1, 2, 4, 8 or 16"
         else:
-            low = 1 if k == "num_warps" else 16
-            ok, allowed = type(v) is int and v >= low and not v & (v - 1), f"a power of 2 >= {low}"
+            ok, allowed = type(v) is int and v >= 16 and not v & (v - 1), "a power of 2 >= 16"
         if not ok:
             raise ValueError(f"dense launch setting {k}={v!r} is invalid: must be {allowed}")
     return dict(LAUNCH, **given)
@@ -46,10 +48,11 @@ def block_n(rows: int, kv_heads: int, device: torch.device) -> int:
     return big if rows * kv_heads >= _sms(device) else min(big, LAUNCH["small_block_n"])
 
 
-def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each."""
+def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, tile: int | None = None) -> int:
+    """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each
+    (``tile`` keys: the split kernel's :func:`block_n` unless given, as the slot kernel gives its own)."""
     want = max(1, -(-4 * _sms(device) // (rows * kv_heads)))
-    return max(1, min(want, -(-max_len // block_n(rows, kv_heads, device)), 64))
+    return max(1, min(want, -(-max_len // (tile or block_n(rows, kv_heads, device))), 64))
 
 
 def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:

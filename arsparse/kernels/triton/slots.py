@@ -70,7 +70,7 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)
     G = H // Hkv
-    splits = num_splits or choose_splits(B, Hkv, C, q.device)
+    splits = num_splits or choose_splits(B, Hkv, C, q.device, tile=BLOCK_N)
     chunk = -(-C // splits)
     chunk = -(-chunk // BLOCK_N) * BLOCK_N
     splits = -(-C // chunk)
