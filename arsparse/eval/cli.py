@@ -67,6 +67,8 @@ def cmd_eval(args) -> int:
         raise ValueError("--fd-infinity measures generated images: with --sweep-rho it needs --sweep-frechet")
     if sweeping and args.kid and not args.sweep_frechet:
         raise ValueError("--kid measures generated images: with --sweep-rho it needs --sweep-frechet")
+    if sweeping and args.match_entropy:
+        raise ValueError("--match-entropy applies to the eval, not to --sweep-rho")
     if not sweeping and args.sweep_frechet:
         raise ValueError("--sweep-frechet needs --sweep-rho")
     if args.fd_floor is not None and args.fd_floor < 0:
@@ -89,7 +91,7 @@ def cmd_eval(args) -> int:
         nll_batch=args.nll_batch, ref_images=args.ref_images,
         grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
         fd_bootstrap=args.fd_bootstrap, fd_infinity=args.fd_infinity, kid_subsets=args.kid,
-        kid_subset_size=args.kid_subset_size,
+        kid_subset_size=args.kid_subset_size, match_entropy=args.match_entropy,
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
@@ -179,6 +181,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0, help="image i uses seed+i under every policy")
     e.add_argument("--cfg-scale", type=float, default=None, help="guidance (default: the bundle's)")
     e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--match-entropy", action="store_true",
+                   help="sample each policy at the temperature where its guided next-token entropy on the "
+                        "teacher-forcing images equals dense's at --temperature (arsparse.eval.entropy)")
     e.add_argument("--top-k", type=int, default=0)
     e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--batch-size", type=positive_int, default=250, help="images per generation batch")

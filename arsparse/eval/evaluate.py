@@ -27,7 +27,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ class EvalConfig:
     ``kid_subsets``: also the kernel distance (KID, :mod:`~arsparse.eval.kernel_distance`, unbiased at any
     sample size) in each feature space, averaged over that many random subsets of ``kid_subset_size``
     rows (the same rows for every policy; 0: none).
+    ``match_entropy``: sample each policy at the temperature where its guided next-token entropy on the
+    teacher-forcing images equals dense's at ``temperature`` (:mod:`~arsparse.eval.entropy`; needs
+    ``nll_images``); each row records the temperature it was sampled at.
     """
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -99,6 +102,7 @@ class EvalConfig:
     fd_infinity: bool = False
     kid_subsets: int = 0
     kid_subset_size: int = 1000
+    match_entropy: bool = False
 
     def __post_init__(self):
         self.policies = tuple(self.policies)
@@ -119,6 +123,11 @@ class EvalConfig:
                 raise ValueError(f"{name} must be an integer >= {0 if name == 'kid_subsets' else 2}, got {v!r}")
         if self.fd_infinity and self.num_samples < 8:
             raise ValueError(f"fd_infinity needs num_samples >= 8 (subsets of several sizes), got {self.num_samples}")
+        if not isinstance(self.match_entropy, bool):
+            raise ValueError(f"match_entropy is a bool, got {self.match_entropy!r}")
+        if self.match_entropy and (self.nll_images < 1 or not self.temperature > 0):
+            raise ValueError("match_entropy measures entropies on the teacher-forcing images at a positive temperature: "
+                             f"it needs nll_images >= 1 (got {self.nll_images}) and temperature > 0 (got {self.temperature})")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies listed twice: {list(self.policies)}")
         unknown = sorted(set(self.policy_args) - set(self.policies) - {"diagonal"})
@@ -557,6 +566,13 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
         forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens,
                                         {n: None if n == "dense" else p for n, p in prepared.items()}, cfg.nll_batch,
                                         progress, graphs=cfg.cuda_graphs)
+    temps = {}
+    if cfg.match_entropy:
+        from .entropy import matched_temperatures
+
+        temps = matched_temperatures(gpt, bench.nll_cond, bench.nll_tokens,
+                                     {n: None if n == "dense" else p for n, p in prepared.items()}, cfg.cfg_scale,
+                                     cfg.temperature, cfg.nll_batch, progress)
 
     result = dict(
         model=model_name, command=command, **run_info(bench), config=asdict(cfg), budget_matched_to=match or None,
@@ -577,8 +593,10 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     inf_metrics = tuple(f"{m}_inf" for m in FRECHET.values()) if cfg.fd_infinity else ()
     kid_metrics = tuple(KERNEL.values()) if cfg.kid_subsets else ()
     for name, pol in prepared.items():
-        q, grid = sampled_quality(gpt, tokenizer, bench, cfg, None if name == "dense" else pol, f"generate {name}",
-                                  progress, cfg.grid_images, cfg.fd_bootstrap)
+        temperature = temps[name]["temperature"] if temps else cfg.temperature
+        q, grid = sampled_quality(gpt, tokenizer, bench, replace(cfg, temperature=temperature),
+                                  None if name == "dense" else pol, f"generate {name}", progress, cfg.grid_images,
+                                  cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
         note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes, q if name == "dense" else None)
         b = budgets[name]
@@ -589,6 +607,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
                    **{m: q.get(m) for m in inf_metrics},
                    **{k: q.get(k) for m in kid_metrics for k in (m, f"{m}_std")},
                    class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
+                   temperature=temperature, guided_entropy=temps.get(name, {}).get("entropy"),
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
             gpath = out / f"grid-{name}.png"
@@ -700,6 +719,12 @@ def write_report(result: dict, out_dir) -> None:
         m = result["budget_matched_to"]
         lines.append(f"- matched budget: every policy with a rho takes the diagonal's kept/dense = {m['kept']}/{m['dense']} "
                      f"= {m['rho']:.4f}")
+    if c.get("match_entropy"):
+        lines.append("- entropy-matched temperatures (each policy sampled where its mean guided next-token entropy on "
+                     f"the {result['nll_images']} teacher-forcing images equals dense's at temperature "
+                     f"{c['temperature']}): " + ", ".join(
+                         f"{r['policy']} {r['temperature']:.3f} (entropy {r['guided_entropy']:.4f} nats at "
+                         f"{c['temperature']})" for r in result["rows"]))
     if c.get("fd_bootstrap"):
         lines.append(f"- Fréchet gaps in brackets: 95 % interval, the gap ± 1.96 standard deviations of the gap over "
                      f"{c['fd_bootstrap']} bootstrap resamples of the generated images, the same rows for dense and the "

@@ -5,7 +5,10 @@
 #   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch and batch 1: the dense kernel's variants
 #   bash docs/bench/next-gpu-run.sh c   # 576 tokens, batch 256: every policy in one table (issue 4), compiled
 # and the quality calls (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
-# what it lists, carry .ft): every policy at diagonal's memory, then where diagonal and streaming cross 2 %:
+# what it lists, carry .ft): fashion's diagonal at 5,000 samples sampled at its entropy-matched temperature
+# (session 15, CPU: KID MobileNetV2 4.8 -> 1.7 x 10^-3 against dense's 1.2), every policy at diagonal's memory,
+# then where diagonal and streaming cross 2 %:
+#   POLICIES=dense,diagonal EVAL_ARGS=--match-entropy bash docs/eval/fd-infinity.sh run fashion
 #   SAMPLES=4000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run fashion
 #   SAMPLES=4000 POLICIES=diagonal,streaming bash docs/eval/fd-infinity.sh sweep fashion
 #   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
