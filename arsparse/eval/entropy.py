@@ -91,9 +91,9 @@ def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies
     curves = {n: guided_entropy(gpt, cond, tokens, policies.get(n), cfg_scale, scales, batch, bar) for n in names}
     bar.close()
     target = float(curves["dense"][at_base])
-    out = {}
-    for n in names:
-        s = base if n == "dense" else solve_scale(scales, curves[n], target)
+    out = {"dense": dict(temperature=temperature, entropy=target)}
+    for n in names[1:]:
+        s = solve_scale(scales, curves[n], target)
         if s is None:
             raise ValueError(f"entropy match: {n}'s guided entropy ({float(curves[n][at_base]):.4f} nats at temperature "
                              f"{temperature}) does not reach dense's {target:.4f} for any temperature in "
