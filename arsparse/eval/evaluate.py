@@ -561,18 +561,17 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
             notes.append(f"budget not matched exactly for {off} (their kept differs from diagonal's {match['kept']}; "
                          "each keeps the most it can without exceeding it)")
 
+    paths = {n: None if n == "dense" else p for n, p in prepared.items()}  # (None: plain dense attention)
     forced = {}
     if len(bench.nll_tokens):
-        forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens,
-                                        {n: None if n == "dense" else p for n, p in prepared.items()}, cfg.nll_batch,
-                                        progress, graphs=cfg.cuda_graphs)
+        forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens, paths, cfg.nll_batch, progress,
+                                        graphs=cfg.cuda_graphs)
     temps = {}
     if cfg.match_entropy:
         from .entropy import matched_temperatures
 
-        temps = matched_temperatures(gpt, bench.nll_cond, bench.nll_tokens,
-                                     {n: None if n == "dense" else p for n, p in prepared.items()}, cfg.cfg_scale,
-                                     cfg.temperature, cfg.nll_batch, progress)
+        temps = matched_temperatures(gpt, bench.nll_cond, bench.nll_tokens, paths, cfg.cfg_scale, cfg.temperature,
+                                     cfg.nll_batch, progress)
 
     result = dict(
         model=model_name, command=command, **run_info(bench), config=asdict(cfg), budget_matched_to=match or None,
@@ -594,9 +593,8 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     kid_metrics = tuple(KERNEL.values()) if cfg.kid_subsets else ()
     for name, pol in prepared.items():
         temperature = temps[name]["temperature"] if temps else cfg.temperature
-        q, grid = sampled_quality(gpt, tokenizer, bench, replace(cfg, temperature=temperature),
-                                  None if name == "dense" else pol, f"generate {name}", progress, cfg.grid_images,
-                                  cfg.fd_bootstrap)
+        q, grid = sampled_quality(gpt, tokenizer, bench, replace(cfg, temperature=temperature), paths[name],
+                                  f"generate {name}", progress, cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
         note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes, q if name == "dense" else None)
         b = budgets[name]
