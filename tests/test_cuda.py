@@ -37,12 +37,16 @@ def test_triton_decode_matches_full_forward_on_gpu(dtype, tol):
     assert (got - want).norm() / want.norm() < tol
 
 
-@pytest.mark.parametrize("mode", [True, "max-autotune-no-cudagraphs"])
-def test_compiled_step_agrees_with_eager(mode):
+@pytest.mark.parametrize("mode,policy", [(True, None), ("max-autotune-no-cudagraphs", None), (True, "h2o")])
+def test_compiled_step_agrees_with_eager(mode, policy):
+    """Compiled blocks (and, for a scored policy, its compiled slot write and bookkeeping) == eager."""
+    import arsparse.policies as policies
+
     model = random_gpt("c2i", seed=8, image_tokens=64)
     cond = random_cond(model, 4)
-    eager = Generator(model, device="cuda", dtype="fp32", compile=False).sample_tokens(cond, seed=3)
-    fused = Generator(model, device="cuda", dtype="fp32", compile=mode).sample_tokens(cond, seed=3)
+    pol = policies.get(policy, rho=0.4) if policy else None
+    eager = Generator(model, device="cuda", dtype="fp32", compile=False, policy=pol).sample_tokens(cond, seed=3)
+    fused = Generator(model, device="cuda", dtype="fp32", compile=mode, policy=pol).sample_tokens(cond, seed=3)
     assert (eager == fused).float().mean() > 0.95  # fused kernels may round differently; rare flips
 
 

@@ -58,13 +58,14 @@ def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypat
     _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
 
 
-def test_few_row_head_pairs_take_the_small_tile_and_more_splits():
+@pytest.mark.parametrize("small,big", [(64, 128), (16, 64)])
+def test_few_row_head_pairs_take_the_small_tile_and_more_splits(small, big, monkeypatch):
     """Below one (row, kv head) pair per SM (8 off CUDA) the split kernel takes small_block_n tiles,
     and choose_splits caps the splits at the cache's tiles of that size."""
     from arsparse.kernels.triton import decode
 
     cpu = torch.device("cpu")
-    small, big = decode.LAUNCH["small_block_n"], decode.LAUNCH["block_n"]
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, small_block_n=small, block_n=big))
     assert decode.block_n(1, 7, cpu) == small < decode.block_n(2, 4, cpu) == big
     assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // small)  # 32 wanted
     assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // big)  # 4 wanted

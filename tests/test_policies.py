@@ -319,3 +319,35 @@ def test_scored_cache_bookkeeping_traced_equals_eager(name):
         outs.append((torch.stack(logits, 1), run.cache.spos.clone()))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[1][1], outs[0][1])
+
+
+def test_scored_cache_write_compiled_in_place():
+    """The slot write as the engine compiles it (inductor): the new token lands in each (row, kv head)'s
+    first free slot, and the generated code never loops over the whole K/V cache (a scatter_ there had
+    made inductor copy the cache and back every layer, every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    gpt = random_gpt("c2i", seed=5, n_kv_head=2)
+    cfg = gpt.config
+    cache = policies.get("h2o", rho=0.5).prepare(gpt).make_cache(cfg, 3, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    kc, vc, spos, score = cache.k[1], cache.v[1], cache.spos[1], cache.score[1]  # (B, Hkv, C, D), (B, Hkv, C)
+    B, Hkv, C, D = kc.shape
+    kc.copy_(torch.randn(kc.shape, generator=g))
+    vc.copy_(torch.randn(vc.shape, generator=g))
+    score.copy_(torch.rand(score.shape, generator=g))
+    spos.copy_(torch.randint(0, 50, spos.shape, generator=g))
+    free = torch.rand(spos.shape, generator=g) < 0.4
+    free[..., -1] = True  # (there is always a free slot)
+    spos.masked_fill_(free, -1)
+    cache.pos.fill_(60)
+    k, v = torch.randn(B, Hkv, 1, D, generator=g), torch.randn(B, Hkv, 1, D, generator=g)
+    want = [t.clone() for t in (kc, vc, spos, score)]
+    for b in range(B):
+        for h in range(Hkv):
+            s = int(free[b, h].nonzero()[0])
+            want[0][b, h, s], want[1][b, h, s], want[2][b, h, s], want[3][b, h, s] = k[b, h, 0], v[b, h, 0], 60, 0.0
+    _, code = run_and_get_code(torch.compile(cache._write, dynamic=False), kc, vc, spos, score, k, v)
+    for got, ref in zip((kc, vc, spos, score), want):
+        assert torch.equal(got, ref)
+    assert code and not any(f"{kc.numel()}L" in c for c in code), "the compiled write copies the whole cache"

@@ -241,12 +241,15 @@ class SlotKVCache(_PromptCache):
 
     def _write(self, kc, vc, spos, score, k, v) -> None:
         """1. the new token into the first free slot of each (row, kv head)."""
-        B, Hkv, C, D = kc.shape
-        slot = (spos < 0).to(torch.int8).argmax(-1, keepdim=True)  # (B, Hkv, 1)
-        kc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), k)
-        vc.scatter_(2, slot[..., None].expand(B, Hkv, 1, D), v)
-        spos.scatter_(2, slot, self.pos.expand(B, Hkv, 1))
-        score.scatter_(2, slot, torch.zeros(B, Hkv, 1, device=score.device))
+        # Indexed puts, not scatter_: compiled (fuse), a scatter_ into the (B, Hkv, C, D) cache
+        # became a copy of the whole cache and back each layer; an index_put_ stays in place.
+        B, Hkv = spos.shape[:2]
+        slot = (spos < 0).to(torch.int8).argmax(-1)  # (B, Hkv)
+        at = (torch.arange(B, device=spos.device)[:, None], torch.arange(Hkv, device=spos.device), slot)
+        kc.index_put_(at, k[:, :, 0])  # k, v: (B, Hkv, 1, D)
+        vc.index_put_(at, v[:, :, 0])
+        spos.index_put_(at, self.pos.expand(B, Hkv))
+        score.index_put_(at, score.new_zeros(()))
 
     def _bookkeep(self, spos, score, cap, stats, w_slots) -> None:
         """3. update the scores (and the per-head capacities ``cap`` (B, Hkv)); 4. evict over capacity."""

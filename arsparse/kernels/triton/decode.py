@@ -9,14 +9,15 @@ from ._pdl import pdl_args
 from .settings import json_settings
 
 #: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md): keys per tile of a split
-#: when the (row, kv head) pairs fill the GPU (``block_n``), and below one pair per SM (batch 1 in
+#: when the (row, kv head) pairs fill the GPU (``block_n``; run 14, 128 -> 64: dense at batch 256 9.66 ->
+#: 9.27 ms per step at 576 tokens, 14.49 -> 14.15 ms at 1,024), and below one pair per SM (batch 1 in
 #: latency mode) tiles of ``small_block_n`` and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us
 #: a call); warps, stages. ``dot`` 1: its two products on tensor cores (the group's queries padded to 16
 #: rows; run 13, dense at 1,024 tokens at max batch 21.23 -> 20.43 ms per step, at 576 tokens, batch
 #: 256 9.70 -> 9.94 ms: off until it wins both). ``prefetch`` 1: each pass of the loop loads the next
 #: tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or less,
-#: 128-key tiles spill; not yet timed).
-LAUNCH = dict(block_n=128, small_block_n=64, num_warps=2, num_stages=3, dot=0, prefetch=0)
+#: 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off).
+LAUNCH = dict(block_n=64, small_block_n=64, num_warps=2, num_stages=3, dot=0, prefetch=0)
 
 
 def parse_launch(text: str) -> dict:
