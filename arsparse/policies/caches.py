@@ -199,6 +199,7 @@ class SlotKVCache(_PromptCache):
         self.v = torch.zeros_like(self.k)
         self.spos = torch.full((L, rows, Hkv, C), -1, dtype=torch.long, device=device)
         self.score = torch.zeros(L, rows, Hkv, C, dtype=torch.float32, device=device)
+        self._row_head = (torch.arange(rows, device=device)[:, None], torch.arange(Hkv, device=device))  # (for _write)
         if kernel == "triton":  # splits fixed per cache: the captured step has static launches
             from ..kernels.triton import slot_decode_attention, slots
             from ..kernels.triton.decode import choose_splits
@@ -243,9 +244,9 @@ class SlotKVCache(_PromptCache):
         """1. the new token into the first free slot of each (row, kv head)."""
         # Indexed puts, not scatter_: compiled (fuse), a scatter_ into the (B, Hkv, C, D) cache
         # became a copy of the whole cache and back each layer; an index_put_ stays in place.
-        B, Hkv = spos.shape[:2]
         slot = (spos < 0).to(torch.int8).argmax(-1)  # (B, Hkv)
-        at = (torch.arange(B, device=spos.device)[:, None], torch.arange(Hkv, device=spos.device), slot)
+        at = (*self._row_head, slot)
+        B, Hkv = slot.shape
         kc.index_put_(at, k[:, :, 0])  # k, v: (B, Hkv, 1, D)
         vc.index_put_(at, v[:, :, 0])
         spos.index_put_(at, self.pos.expand(B, Hkv))
