@@ -95,6 +95,27 @@ def test_scored_policy_triton_kernel_under_cuda_graphs(policy):
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("kmax", [1, 60])
+def test_stratified_evict_kernels_match_torch_on_gpu(kmax):
+    """HeadKV's eviction kernels at the bench's shape (256 images with guidance, 20 kv heads, 125 slots,
+    24 rows): the slots torch's sort-based form frees, with tied scores; k = 1 every step, k up to 60
+    the step a head's capacity drops."""
+    from arsparse.kernels.triton.evict import stratified_evict_slots
+    from arsparse.layout import Layout
+    from arsparse.policies.headwise import stratified_evict
+
+    lay = Layout(1, 24, 24)
+    g = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    B, H, C = 512, 20, 125
+    score = torch.rand(B, H, C, device="cuda", generator=g)
+    score[:, :, ::3] = 0.5
+    pos = torch.randint(1, 577, (B, H, C), device="cuda", generator=g)
+    pos[torch.rand(B, H, C, device="cuda", generator=g) < 0.1] = -1
+    ev = (pos >= 0) & (torch.rand(B, H, C, device="cuda", generator=g) < 0.7)
+    k = torch.randint(0, kmax + 1, (B, H, 1), device="cuda", generator=g)
+    assert torch.equal(stratified_evict_slots(score, pos, ev, k, lay), stratified_evict(score, pos, ev, k, lay))
+
+
 # ---- the fused decode kernels (write + attend) at GPT-XL-like shapes, bf16 -----------------------
 
 def _same(got: list, want: list) -> None:

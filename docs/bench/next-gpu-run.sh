@@ -1,9 +1,9 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh c   # 576 tokens, batch 256: the scored policies after session 16's in-place
-#                                       # slot write (run 14: 14.9 ms, slower than dense) and headkv's first row
-#   bash docs/bench/next-gpu-run.sh a   # GPU tests of the dense and slot kernels; dense at batch 256: warps, stages
+#   bash docs/bench/next-gpu-run.sh c   # headkv's eviction kernels (session 17: one victim a step without pairwise
+#                                       # ranks; untimed) checked on the GPU, then headkv beside dense at batch 256
+#   bash docs/bench/next-gpu-run.sh a   # the GPU tests of the dense, slot and eviction kernels and the compiled step
 #   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch (dense.dot) and batch 1 at 576
 # and the quality calls (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
 # what it lists, carry .ft): headkv at diagonal's memory (the one baseline missing at 4,000 samples), where
@@ -21,13 +21,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
 R=0.1424  # diagonal's default keeps 82 of 576 positions (prompt + sinks + ring)
 case ${1:?a, b or c} in
-a)  # (the kernels against the reference first: bench does not check outputs; run 14 cut these at 80 s)
-  timeout 240 python3 -m pytest -q tests/test_cuda.py -k "fused_dense or tensor_core or slot or scored or policy_caches or compiled_step" 2>&1 | tail -3 | tee "$OUT/test_cuda.txt"
-  B 300 --image-tokens 576 --batch 256 --compile --policies dense --variant dense.num_warps=4 \
-    --variant dense.num_stages=2 --variant dense.num_stages=4 --out "$OUT/b256-576-dense-launch.json" | tail -6 ;;
+a)  # (the kernels against the reference: bench does not check outputs)
+  timeout 400 python3 -m pytest -q tests/test_cuda.py -k "fused_dense or tensor_core or slot or scored or policy_caches or compiled_step or evict" 2>&1 | tail -3 | tee "$OUT/test_cuda.txt" ;;
 c)
-  B 540 --image-tokens 576 --batch 256 --compile --out "$OUT/b256-576-policies.json" \
-    --policies "dense;diagonal;h2o:rho=$R;tova:rho=$R;lines:rho=$R;headkv:rho=$R" | tail -8 ;;
+  timeout 90 python3 -m pytest -q tests/test_cuda.py -k "evict or scored_policy" 2>&1 | tail -2
+  B 400 --image-tokens 576 --batch 256 --compile --profile --out "$OUT/b256-576-headkv.json" \
+    --policies "dense;headkv:rho=$R" | grep -v "^  dense" | tail -12 ;;
 b)
   B 400 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --variant dense.dot=1 \
     --out "$OUT/max1024.json" | tail -5

@@ -38,6 +38,7 @@ _DENSE = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=Fal
 _MV_PTR = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
 _MV = dict(BLOCK_M=2, BLOCK_N=4, HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, PDL=True,
            ONE_CHUNK=True)
+_EVICT_PTR = dict(SCORE="*fp32", POS="*i64", EV="*u8", K="*i64", RANK="*i32", OUT="*i8")
 #: build -> (module, kernel, pointer types, constexprs, num_warps, num_stages): GPT-XL's shapes (20 heads of 64;
 #: the latency mode's projections at 2 rows: wqkv with the residual add, norm and RoPE, wo, w1/w3, w2)
 BUILDS = {
@@ -53,6 +54,8 @@ BUILDS = {
     "matvec-wo": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_RES=True), 4, 2),
     "matvec-w13": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_NORM=True, GLU=True), 4, 2),
     "matvec-w2": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=4096, HAS_RES=True), 4, 2),
+    "evict-one": ("_evict", "evict_one_kernel", _EVICT_PTR, dict(BLOCK_R=32, BLOCK_C=64), 4, 3),
+    "evict-many": ("_evict", "evict_many_kernel", _EVICT_PTR, dict(BLOCK_I=64, BLOCK_J=64), 4, 3),
 }
 
 
