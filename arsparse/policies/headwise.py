@@ -228,7 +228,7 @@ class HeadKVPolicy(_HeadTypedPolicy):
         return max(self.n_recent(layout), int(self.small * self.capacity(layout)))
 
     def evict(self, score, pos, evictable, excess, stats, layout):
-        if score.is_cuda:  # the same slots from one Triton kernel (torch's sorts: 0.9 ms a layer at batch 256)
+        if score.is_cuda:  # the same slots from Triton kernels (torch's sorts: 0.9 ms a layer at batch 256)
             from ..kernels.triton.evict import stratified_evict_slots
 
             return stratified_evict_slots(score, pos, evictable, excess, layout)

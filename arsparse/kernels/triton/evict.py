@@ -12,7 +12,7 @@ BLOCK_J = 64  # slots compared with them per tile
 LAUNCH = dict(num_warps=4)
 
 
-@torch.compiler.disable  # (a compiled caller launches it as is; inductor's own sorts took minutes to build)
+@torch.compiler.disable  # (a compiled caller breaks its graph here and launches the kernels as they are)
 def stratified_evict_slots(score: torch.Tensor, pos: torch.Tensor, evictable: torch.Tensor, k: torch.Tensor,
                            layout) -> torch.Tensor:
     """The slots stratified eviction frees, as :func:`arsparse.policies.headwise.stratified_evict`.
