@@ -45,7 +45,8 @@ def evict_one_kernel(SCORE, POS, EV, K, OUT, s_b, s_h, p_b, p_h, e_b, e_h, k_b, 
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     SCORE, POS, EV, OUT, k = _table(SCORE, POS, EV, OUT, K, tl.program_id(0), H, s_b, s_h, p_b, p_h, e_b, e_h,
                                     k_b, k_h, C)
-    if k <= 1:
+    best_i = tl.full((), _NONE, tl.int32)  # the victim's slot (none while the head is not over capacity)
+    if k == 1:
         rows = tl.arange(0, BLOCK_R)
         count = tl.zeros((BLOCK_R,), dtype=tl.int32)  # slots of each image row
         has = tl.zeros((BLOCK_R,), dtype=tl.int32)  # whether it holds an evictable one
@@ -57,7 +58,6 @@ def evict_one_kernel(SCORE, POS, EV, K, OUT, s_b, s_h, p_b, p_h, e_b, e_h, k_b, 
         top = tl.max(tl.where(has > 0, count, -1), axis=0)
         fullest = ((has > 0) & (count == top)).to(tl.int32)  # (BLOCK_R,)
         best_s = tl.full((), float("inf"), tl.float32)
-        best_i = tl.full((), _NONE, tl.int32)
         for c0 in range(0, C, BLOCK_C):
             ii = c0 + tl.arange(0, BLOCK_C)
             s, row, ev = _entries(SCORE, POS, EV, ii, C, P, W)
@@ -68,9 +68,10 @@ def evict_one_kernel(SCORE, POS, EV, K, OUT, s_b, s_h, p_b, p_h, e_b, e_h, k_b, 
             better = (cs < best_s) | ((cs == best_s) & (ci < best_i))
             best_s = tl.where(better, cs, best_s)
             best_i = tl.where(better, ci, best_i)
+    if k <= 1:
         for c0 in range(0, C, BLOCK_C):
             ii = c0 + tl.arange(0, BLOCK_C)
-            tl.store(OUT + ii, ((ii == best_i) & (k == 1)).to(tl.int8), mask=ii < C)
+            tl.store(OUT + ii, (ii == best_i).to(tl.int8), mask=ii < C)
 
 
 @triton.jit
