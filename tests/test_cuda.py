@@ -132,7 +132,8 @@ def _same(got: list, want: list) -> None:
     (2, 16, 2, 1025, 128, 1024, 6),  # head_dim 128, the last position
 ])
 @pytest.mark.parametrize("pdl,launch", [(0, {}), (1, {}), (1, dict(prefetch=1, block_n=64)),
-                                        (0, dict(dot=1, num_warps=4))], ids=["", "pdl", "pdl-prefetch", "dot-4warps"])
+                                        (0, dict(dot=0, small_dot=0)), (0, dict(dot=1, small_dot=1, num_warps=4))],
+                         ids=["", "pdl", "pdl-prefetch", "cuda-cores", "dot-4warps"])
 def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, splits, pdl, launch, monkeypatch):
     from arsparse.kernels.triton import _pdl, decode, decode_attention
     from conftest import random_decode_case
@@ -399,7 +400,7 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, me
 def test_tensor_core_dense_kernel_in_the_engine_on_gpu(monkeypatch):
     """decode.LAUNCH["dot"]: the dense split kernel's products on tensor cores (probabilities in bf16, as
     FlashAttention). The whole engine in bf16, MHA and GQA, graph-captured steps: the teacher-forced
-    logits within bf16 noise of the default kernel's (the same argmax almost everywhere)."""
+    logits within bf16 noise of the CUDA-core form's (the same argmax almost everywhere)."""
     from arsparse.kernels.triton import decode
 
     for kv in (None, 2):
@@ -407,8 +408,9 @@ def test_tensor_core_dense_kernel_in_the_engine_on_gpu(monkeypatch):
         cond = random_cond(model, 4)
         tokens = torch.randint(0, model.config.vocab_size, (4, 256))
         make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton")  # noqa: E731
+        monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, dot=0, small_dot=0))
         want = make().cached_logits(cond, tokens).float()
-        monkeypatch.setitem(decode.LAUNCH, "dot", 1)
+        monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, dot=1, small_dot=1))
         got = make().cached_logits(cond, tokens).float()
         assert (got - want).norm() / want.norm() < 2e-2
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95

@@ -50,6 +50,7 @@ def _tables(g, L, B, H, C, lay, ties: bool):
     (4, 2, 9, (5, 3), True),  # tiny rows: most rows hold many entries
     (1, 5, 200, (32, 32), False),  # 1,024 tokens, 32 rows (a full BLOCK_R)
     (2, 2, 64, (40, 8), False),  # more rows than a power of two below them (BLOCK_R 64)
+    (5, 7, 40, (12, 12), True),  # 35 tables: evict_many's programs take 3 each (off CUDA), the last 2
 ])
 def test_stratified_evict_kernels_match_torch(poisoned_int_empty, B, H, C, grid, ties):
     seed = random.randrange(2**31)
@@ -81,6 +82,10 @@ def test_stratified_evict_kernels_one_victim_from_the_fullest_row():
     tied = torch.full_like(score, 0.3)
     assert stratified_evict_slots(tied, pos, ev, one, lay)[0, 0].nonzero().flatten().tolist() == [3]
     assert not stratified_evict_slots(score, pos, torch.zeros_like(ev), one, lay).any()
+    last = Layout(1, 4, 4)  # (a power-of-two row count: the last row is counted like the others)
+    pos = torch.tensor([[[13, 14, 15, 16, 2, 3, 6, -1]]])  # row 3: 4 entries, rows 0 and 1: 2 and 1
+    score = torch.tensor([[[0.5, 0.3, 0.6, 0.7, 0.1, 0.2, 0.05, 0.0]]])
+    assert stratified_evict_slots(score, pos, pos >= 0, one, last)[0, 0].nonzero().flatten().tolist() == [1]
 
 
 def test_stratified_evict_slots_rejects_bad_inputs():
@@ -103,4 +108,4 @@ def test_stratified_evict_kernels_build_for_hopper():
     compile_for_hopper("arsparse.kernels.triton._evict", "evict_one_kernel", ptr,
                        {"one-32-rows": (dict(BLOCK_R=32, BLOCK_C=64), 4)})
     compile_for_hopper("arsparse.kernels.triton._evict", "evict_many_kernel", ptr,
-                       {"many": (dict(BLOCK_I=64, BLOCK_J=64), 4, ["bar.sync"])})
+                       {"many": (dict(BLOCK_T=64, BLOCK_I=32, BLOCK_J=64), 4, ["bar.sync"])})

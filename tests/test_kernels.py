@@ -21,6 +21,7 @@ from conftest import (compile_for_hopper, random_decode_case, random_offsets, ra
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5)
+DOT = dict(dot=1, small_dot=1)  # (decode.LAUNCH: tensor-core products at every shape)
 
 
 def _same(got: list, want: list) -> None:
@@ -39,14 +40,15 @@ def _same(got: list, want: list) -> None:
     (2, 2, 2, 40, 8, "rows", 2),  # head_dim 8 (tensor-core tiles pad it to 16)
 ])
 @pytest.mark.parametrize("launch,dtype", [
-    ({}, torch.float32), (dict(dot=1), torch.float32), (dict(dot=1), torch.bfloat16), (dict(dot=1), torch.float16),
-    (dict(prefetch=1, block_n=16, small_block_n=16), torch.float32),
-    (dict(prefetch=1, dot=1, block_n=16, small_block_n=16), torch.bfloat16)],
-    ids=["engine", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16"])
+    ({}, torch.float32), (dict(dot=0, small_dot=0), torch.float32), (DOT, torch.float32), (DOT, torch.bfloat16),
+    (DOT, torch.float16), (dict(prefetch=1, dot=0, small_dot=0, block_n=16, small_block_n=16), torch.float32),
+    (dict(DOT, prefetch=1, block_n=16, small_block_n=16), torch.bfloat16)],
+    ids=["engine", "cuda-cores", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16"])
 def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, launch,
                                                        dtype):
-    """``launch``: decode.LAUNCH settings: ``dot``, the products on tensor cores; ``prefetch``, the next
-    tile loaded before the current one is read (16-key tiles: many passes, a last partial one)."""
+    """``launch``: decode.LAUNCH settings: ``dot``/``small_dot``, the products on tensor cores (the engine's
+    defaults take them for shapes that fill the GPU only); ``prefetch``, the next tile loaded before the
+    current one is read (16-key tiles: many passes, a last partial one)."""
     from arsparse.kernels.triton import decode
 
     monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch))
@@ -72,6 +74,17 @@ def test_few_row_head_pairs_take_the_small_tile_and_more_splits(small, big, monk
     assert decode.choose_splits(8, 1, 200, cpu, tile=16) == 4 and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
 
 
+@pytest.mark.parametrize("dot,small_dot", [(1, 0), (0, 1)])
+def test_tensor_cores_follow_whether_the_pairs_fill_the_gpu(dot, small_dot, monkeypatch):
+    """``dot`` applies where the (row, kv head) pairs give each SM one (8 off CUDA), ``small_dot`` below."""
+    from arsparse.kernels.triton import decode
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, dot=dot, small_dot=small_dot))
+    assert decode.tensor_cores(2, 4, cpu) is bool(dot) and decode.tensor_cores(8, 1, cpu) is bool(dot)
+    assert decode.tensor_cores(1, 7, cpu) is bool(small_dot) and decode.tensor_cores(3, 2, cpu) is bool(small_dot)
+
+
 def test_dense_launch_settings_parse_and_reject_bad_ones():
     from arsparse.kernels.triton import decode
 
@@ -81,7 +94,7 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
                       ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),
                       ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
-                      ('{"dot": true}', "dot=True is invalid")):
+                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid")):
         with pytest.raises(ValueError, match=msg):
             decode.parse_launch(text)
 

@@ -1,15 +1,16 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh c   # headkv's eviction kernels (session 17: one victim a step without pairwise
-#                                       # ranks; untimed) checked on the GPU, then headkv beside dense at batch 256
+#   bash docs/bench/next-gpu-run.sh c   # headkv's eviction kernels, third form (session 18: histograms, and
+#                                       # evict_many's programs over runs of tables; timed alone only) checked
+#                                       # on the GPU, then headkv beside dense at batch 256
 #   bash docs/bench/next-gpu-run.sh a   # the GPU tests of the dense, slot and eviction kernels and the compiled step
-#   bash docs/bench/next-gpu-run.sh b   # 1,024 tokens at max batch (dense.dot) and batch 1 at 576
+#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (dense now with
+#                                       # tensor-core products by default, run 16)
 # and the quality calls (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
-# what it lists, carry .ft): headkv at diagonal's memory (the one baseline missing at 4,000 samples), where
-# diagonal and streaming cross 2 % (raw, extrapolated and KID), then emoji's baselines:
-#   SAMPLES=4000 POLICIES=headkv bash docs/eval/fd-infinity.sh run fashion
-#   SAMPLES=4000 POLICIES=diagonal,streaming bash docs/eval/fd-infinity.sh sweep fashion
+# what it lists, carry .ft): streaming's budget sweep on fashion (run 16's sweep ran out of time after
+# diagonal), then emoji's baselines and sweep at 3,000 samples:
+#   SAMPLES=4000 POLICIES=streaming RHOS=0.18,0.25,0.35 bash docs/eval/fd-infinity.sh sweep fashion
 #   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
@@ -28,9 +29,8 @@ c)
   B 400 --image-tokens 576 --batch 256 --compile --profile --out "$OUT/b256-576-headkv.json" \
     --policies "dense;headkv:rho=$R" | grep -v "^  dense" | tail -12 ;;
 b)
-  B 400 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --variant dense.dot=1 \
-    --out "$OUT/max1024.json" | tail -5
-  B 150 --image-tokens 576 --batch 1 --matvec --profile --policies "dense;diagonal" \
-    --out "$OUT/b1-576.json" | grep -v "^  " | tail -4 ;;
+  B 280 --image-tokens 576 --batch max --compile --policies "dense;diagonal;streaming:rho=$R" \
+    --out "$OUT/max576.json" | tail -5
+  B 280 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | tail -4 ;;
 *) echo "part a, b or c, got $1"; exit 2 ;;
 esac

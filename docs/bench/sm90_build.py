@@ -55,7 +55,7 @@ BUILDS = {
     "matvec-w13": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=2048, HAS_NORM=True, GLU=True), 4, 2),
     "matvec-w2": ("_matvec", "matvec_kernel", _MV_PTR, dict(_MV, BLOCK_K=4096, HAS_RES=True), 4, 2),
     "evict-one": ("_evict", "evict_one_kernel", _EVICT_PTR, dict(BLOCK_R=32, BLOCK_C=64), 4, 3),
-    "evict-many": ("_evict", "evict_many_kernel", _EVICT_PTR, dict(BLOCK_I=64, BLOCK_J=64), 4, 3),
+    "evict-many": ("_evict", "evict_many_kernel", _EVICT_PTR, dict(BLOCK_T=64, BLOCK_I=32, BLOCK_J=64), 4, 3),
 }
 
 

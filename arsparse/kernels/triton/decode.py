@@ -8,25 +8,26 @@ from ._decode import combine_kernel, decode_split_kernel
 from ._pdl import pdl_args
 from .settings import json_settings
 
-#: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md): keys per tile of a split
-#: when the (row, kv head) pairs fill the GPU (``block_n``; run 14, 128 -> 64: dense at batch 256 9.66 ->
-#: 9.27 ms per step at 576 tokens, 14.49 -> 14.15 ms at 1,024), and below one pair per SM (batch 1 in
-#: latency mode) tiles of ``small_block_n`` and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us
-#: a call); warps, stages. ``dot`` 1: its two products on tensor cores (the group's queries padded to 16
-#: rows; run 13, dense at 1,024 tokens at max batch 21.23 -> 20.43 ms per step, at 576 tokens, batch
-#: 256 9.70 -> 9.94 ms: off until it wins both). ``prefetch`` 1: each pass of the loop loads the next
-#: tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or less,
-#: 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off).
-LAUNCH = dict(block_n=64, small_block_n=64, num_warps=2, num_stages=3, dot=0, prefetch=0)
+#: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md). When the (row, kv head)
+#: pairs fill the GPU: keys per tile ``block_n`` (run 14, 128 -> 64: dense at batch 256 9.66 -> 9.27 ms per
+#: step at 576 tokens, 14.49 -> 14.15 ms at 1,024) and ``dot`` 1, the tile's two products on tensor cores
+#: (the group's queries padded to 16 rows, probabilities in the input dtype; run 16, with 64-key tiles:
+#: 576 tokens 9.28 -> 8.83 ms at batch 256, 3.53 -> 3.34 at 64, 1.78 -> 1.72 at 8, 1,024 tokens at max
+#: batch 20.56 -> 19.50). Below one pair per SM (batch 1 in latency mode): tiles of ``small_block_n``
+#: and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us a call), and ``small_dot`` 0 (run 16:
+#: batch 1 1.109 ms, 1.184 with tensor cores). Warps, stages. ``prefetch`` 1: each pass of the loop loads
+#: the next tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or
+#: less, 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off).
+LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0)
 
 
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
-    powers of 2, tiles of 16 keys at least, ``dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
+    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
     --variant dense.KEY=VALUE``."""
     given = json_settings(text, LAUNCH, "dense launch")
     for k, v in given.items():
-        if k in ("dot", "prefetch"):
+        if k in ("dot", "small_dot", "prefetch"):
             ok, allowed = type(v) is int and v in (0, 1), "0 or 1"
         elif k == "num_stages":
             ok, allowed = type(v) is int and v >= 1, "an int >= 1"
@@ -39,20 +40,31 @@ def parse_launch(text: str) -> dict:
     return dict(LAUNCH, **given)
 
 
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 off CUDA, where the interpreter runs the kernels)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def fills_gpu(rows: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether ``rows`` x ``kv_heads`` (row, head) pairs give every SM one at least (8 off CUDA)."""
+    return rows * kv_heads >= sm_count(device)
 
 
 def block_n(rows: int, kv_heads: int, device: torch.device) -> int:
     """Keys per tile of the split kernel for ``rows`` x ``kv_heads`` (row, head) pairs."""
     big = LAUNCH["block_n"]
-    return big if rows * kv_heads >= _sms(device) else min(big, LAUNCH["small_block_n"])
+    return big if fills_gpu(rows, kv_heads, device) else min(big, LAUNCH["small_block_n"])
+
+
+def tensor_cores(rows: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether the split kernel takes its products on tensor cores for ``rows`` x ``kv_heads`` pairs."""
+    return bool(LAUNCH["dot"] if fills_gpu(rows, kv_heads, device) else LAUNCH["small_dot"])
 
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, tile: int | None = None) -> int:
     """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each
     (``tile`` keys: the split kernel's :func:`block_n` unless given, as the slot kernel gives its own)."""
-    want = max(1, -(-4 * _sms(device) // (rows * kv_heads)))
+    want = max(1, -(-4 * sm_count(device) // (rows * kv_heads)))
     return max(1, min(want, -(-max_len // (tile or block_n(rows, kv_heads, device))), 64))
 
 
@@ -153,7 +165,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         o_part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
         m_part = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
         l_part = torch.empty_like(m_part)
-    dot = bool(LAUNCH["dot"])
+    dot = tensor_cores(B, Hkv, q.device)
     block_d = max(16 if dot else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
     block_g = max(16 if dot else 1, triton.next_power_of_2(G))  # columns at least)
     scale = D**-0.5 if scale is None else scale

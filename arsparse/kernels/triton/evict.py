@@ -5,11 +5,13 @@ import torch
 import triton
 
 from ._evict import evict_many_kernel, evict_one_kernel
+from .decode import sm_count
 
-BLOCK_C = 64  # slots per tile of evict_one_kernel (against every image row at once)
-BLOCK_I = 64  # slots ranked per tile of evict_many_kernel
+BLOCK_C = 64  # slots per tile of evict_one_kernel
+BLOCK_I = 32  # slots ranked per tile of evict_many_kernel (64: 255 registers and spills on sm_90)
 BLOCK_J = 64  # slots compared with them per tile
 LAUNCH = dict(num_warps=4)
+MANY_PROGRAMS_PER_SM = 3  # evict_many_kernel's programs: its registers (168 on sm_90, Triton 3.6) fit three per SM
 
 
 @torch.compiler.disable  # (a compiled caller breaks its graph here and launches the kernels as they are)
@@ -46,7 +48,10 @@ def stratified_evict_slots(score: torch.Tensor, pos: torch.Tensor, evictable: to
     args = (score, pos, evictable.view(torch.uint8), k)
     strides = (score.stride(0), score.stride(1), pos.stride(0), pos.stride(1), evictable.stride(0),
                evictable.stride(1), k.stride(0), k.stride(1), H, C, layout.prefix_len, layout.row_stride)
-    evict_one_kernel[(B * H,)](*args, out, *strides, BLOCK_R=triton.next_power_of_2(layout.grid_h), BLOCK_C=BLOCK_C,
-                               **LAUNCH)
-    evict_many_kernel[(B * H,)](*args, rank, out, *strides, BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, **LAUNCH)
+    evict_one_kernel[(B * H,)](*args, out, *strides, BLOCK_R=triton.next_power_of_2(layout.grid_h + 1),
+                               BLOCK_C=BLOCK_C, **LAUNCH)  # (histogram bins: row + 1)
+    tables = B * H
+    tpp = -(-tables // min(tables, MANY_PROGRAMS_PER_SM * sm_count(score.device)))  # tables per program
+    evict_many_kernel[(-(-tables // tpp),)](*args, rank, out, *strides, tables, tpp, BLOCK_T=triton.next_power_of_2(tpp),
+                                           BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, **LAUNCH)
     return out.view(torch.bool)
