@@ -1,4 +1,13 @@
-"""``arsparse bench``: decode speed on the GPU, against the bandwidth floor measured in the same run."""
+"""``arsparse bench``: decode speed on the GPU, against the bandwidth floor measured in the same run.
+
+Two floors per row, both from rates measured at the start of the run: the **bandwidth floor** (bytes the
+step must move over the copy bandwidth: every weight once, and the K/V entries the policy reads) and the
+**arithmetic floor**, which also counts FLOPs at the measured matrix-product rate: the step's two phases
+each take the longer of their bytes and their FLOPs, in sequence (every layer's products need its
+attention's output and the reverse), i.e. ``max(weights / bandwidth, product FLOPs / rate) + max(K/V read
+/ bandwidth, attention FLOPs / rate)``. Where a row is near its arithmetic floor and far from its bandwidth
+floor, the matrix products bound it.
+"""
 from __future__ import annotations
 
 import json
@@ -33,6 +42,9 @@ class BenchRow:
     weight_bytes: int
     floor_ms_per_step: float
     ratio_to_floor: float
+    flops_per_step: float  # matrix products (2 per weight and row) plus attention (4 per entry read and head dim)
+    arith_floor_ms_per_step: float  # (see the module doc)
+    ratio_to_arith_floor: float
     setup_s: float  # allocation, compilation and graph capture for this batch
     profile: list | None = None  # [(kernel, ms per step)], with --profile
     variant: str = ""  # the --variant whose settings timed this row ("": the run's own)
@@ -126,6 +138,43 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
+def matmul_throughput(device, dtype, n: int = 8192, reps: int = 10) -> float:
+    """Matrix-product rate in FLOP/s: ``(n, n) @ (n, n)`` in ``dtype``, median of reps."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    times = []
+    for i in range(reps + 2):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        e[0].record()
+        torch.mm(a, b)
+        e[1].record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(e[0].elapsed_time(e[1]) / 1e3)
+    del a, b
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def step_flops(cfg: GPTConfig, rows: int, read: float) -> tuple[float, float]:
+    """FLOPs of one decode step of ``rows`` sequences reading ``read`` entries per query and head:
+    (matrix products: 2 per weight of every layer's projections and the output head, per row;
+    attention: q.k and p.v, 4 per entry, head dimension, head and layer, per row)."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = cfg.dim * (q + 2 * kv) + q * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden
+    products = 2.0 * rows * (cfg.n_layer * per_layer + cfg.vocab_size * cfg.dim)
+    return products, 4.0 * rows * cfg.n_layer * cfg.n_head * cfg.head_dim * read
+
+
+def step_floors(weight_bytes: float, kv_read_bytes: float, flops: tuple[float, float], bandwidth: float,
+                rate: float) -> tuple[float, float]:
+    """(bandwidth floor, arithmetic floor) of a step in ms (see the module doc); ``flops`` as
+    :func:`step_flops` gives them, ``bandwidth`` in bytes/s, ``rate`` in FLOP/s."""
+    products, attention = flops
+    byte_floor = (weight_bytes + kv_read_bytes) / bandwidth
+    arith = max(weight_bytes / bandwidth, products / rate) + max(kv_read_bytes / bandwidth, attention / rate)
+    return byte_floor * 1e3, arith * 1e3
+
+
 def step_weight_bytes(cfg: GPTConfig, dtype_bytes: int) -> int:
     """Weights one decode step reads: every layer, the final norm and the output head."""
     kv = cfg.kv_heads * cfg.head_dim
@@ -184,13 +233,15 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     cfg = gpt_config(preset, image_tokens=image_tokens)
     gpt = _random_gpt(cfg, device, dtype)
     bw = copy_bandwidth(device)
+    rate = matmul_throughput(device, dtype)
     eb = torch.finfo(dtype).bits // 8
     wbytes = step_weight_bytes(cfg, eb)
     mem = None if memory_gb is None else int(memory_gb * 2**30)
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                 host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, matvec=matvec, streams=streams, copy_bandwidth_gb_s=bw / 1e9, **_kernel_settings(),
+                compile=compile, matvec=matvec, streams=streams, copy_bandwidth_gb_s=bw / 1e9,
+                matmul_tflops=rate / 1e12, **_kernel_settings(),
                 matvec_launch=_matvec_launch() if matvec else None)
 
     def result() -> dict:
@@ -209,7 +260,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
                 B = max_batch(gpt, gen.policy, mem, guidance=cfg_scale != 1.0, dtype=dtype) if want == "max" else want
                 for attempt in range(4):
                     try:
-                        row = _time_one(gen, B, cfg_scale, seed, budget, wbytes, bw, eb, profile)
+                        row = _time_one(gen, B, cfg_scale, seed, budget, wbytes, bw, rate, eb, profile)
                         break
                     except torch.OutOfMemoryError:
                         gen.release()
@@ -224,8 +275,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     return result()
 
 
-def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbytes: int, bw: float, eb: int,
-              profile: bool = False) -> dict:
+def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbytes: int, bw: float, rate: float,
+              eb: int, profile: bool = False) -> dict:
     """One full generation of B images after a short warm-up; the fields of a BenchRow."""
     device, cfg = gen.device, gen.config
     N = cfg.image_tokens
@@ -253,14 +304,16 @@ def _time_one(gen: Generator, B: int, cfg_scale: float, seed: int, budget, wbyte
     total_s = (prefill_ms + decode_ms) / 1e3
     R = run.rows
     kv_read = R * budget.read * cfg.kv_bytes_per_token(eb)  # mean over the decode steps
-    floor_ms = (wbytes + kv_read) / bw * 1e3
+    flops = step_flops(cfg, R, budget.read)
+    floor_ms, arith_ms = step_floors(wbytes, kv_read, flops, bw, rate)
     ms_step = decode_ms / (N - 1)
     top = _profile_step(run, c, N) if profile else None
     return dict(batch=B, rows=R, ms_per_step=ms_step, prefill_ms=prefill_ms, images_per_s=B / total_s,
                 tokens_per_s=B * N / total_s, peak_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9,
                 kv_bytes_per_image=(R // run.plan.batch) * budget.kept * cfg.kv_bytes_per_token(eb),
                 kv_read_bytes_per_step=kv_read, weight_bytes=wbytes, floor_ms_per_step=floor_ms,
-                ratio_to_floor=ms_step / floor_ms, setup_s=setup_s, profile=top)
+                ratio_to_floor=ms_step / floor_ms, flops_per_step=sum(flops), arith_floor_ms_per_step=arith_ms,
+                ratio_to_arith_floor=ms_step / arith_ms, setup_s=setup_s, profile=top)
 
 
 def _profile_step(run, c, N: int, steps: int = 3, top: int = 12) -> list:
@@ -302,14 +355,15 @@ def markdown_table(result: dict) -> str:
     def x(v):
         return "" if v is None else f"{v:.2f}"
 
-    lines = ["| policy | kernel | batch | ms/step | floor ms/step | x floor | images/s | x dense (same batch) "
-             "| x dense (max batch) | x fastest dense | tokens/s | peak GB | KV MB/image | KV GB read/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | kernel | batch | ms/step | floor ms/step | x floor | x floor with FLOPs | images/s "
+             "| x dense (same batch) | x dense (max batch) | x fastest dense | tokens/s | peak GB | KV MB/image "
+             "| KV GB read/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         batch = f"{r['batch']} (max)" if r["max_batch"] else str(r["batch"])
         policy = f"{r['policy']} [{r['variant']}]" if r.get("variant") else r["policy"]
         lines.append(f"| {policy} | {r['kernel']} | {batch} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
-                     f"{r['ratio_to_floor']:.2f} | {r['images_per_s']:.1f} | {x(r['x_dense_same_batch'])} | "
+                     f"{r['ratio_to_floor']:.2f} | {x(r.get('ratio_to_arith_floor'))} | {r['images_per_s']:.1f} | {x(r['x_dense_same_batch'])} | "
                      f"{x(r['x_dense_max_batch'])} | {x(r.get('x_fastest_dense'))} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_mem_gb']:.1f} | "
                      f"{r['kv_bytes_per_image'] / 1e6:.1f} | {r['kv_read_bytes_per_step'] / 1e9:.2f} |")
@@ -344,7 +398,7 @@ def cmd_bench(args) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
-          f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s")
+          f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s, matrix products {result['matmul_tflops']:.0f} TFLOP/s")
     print(markdown_table(result))
     for r in result["rows"]:
         for name, ms in r["profile"] or []:
@@ -359,7 +413,7 @@ def cmd_bench(args) -> int:
 
 
 def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="time decoding on the GPU against the bandwidth floor")
+    b = sub.add_parser("bench", help="time decoding on the GPU against its bandwidth and arithmetic floors")
     b.add_argument("--preset", default="GPT-XL")
     b.add_argument("--image-tokens", type=int, default=576)
     b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes, or max (throughput mode)")

@@ -250,6 +250,40 @@ def test_bench_ratios_against_dense():
     assert rows[3]["x_dense_max_batch"] == 5.0  # (against dense in its own variant, as before)
 
 
+@pytest.mark.parametrize("model_type,kw", [("c2i", {}), ("t2i", dict(n_kv_head=1)), ("c2i", dict(dim=300, n_head=3))])
+def test_bench_step_flops_count_the_models_projections(model_type, kw):
+    """step_flops: 2 per weight of every nn.Linear a decode step runs (the blocks' and the output head's,
+    not the caption embedder's, which runs in prefill), per row; attention 4 per entry read, per head
+    dimension, head, layer and row (MHA, MQA, head dim 100 as GPT-3B)."""
+    import random
+
+    from arsparse.bench import step_flops
+
+    gpt = random_gpt(model_type, seed=random.randrange(2**31), **kw)
+    rows, read = random.randint(1, 600), random.uniform(1, 300)
+    weights = sum(m.weight.numel() for n, m in gpt.named_modules()
+                  if isinstance(m, torch.nn.Linear) and (n.startswith("layers.") or n == "output"))
+    cfg = gpt.config
+    products, attention = step_flops(cfg, rows, read)
+    assert products == 2 * rows * weights
+    assert attention == pytest.approx(4 * rows * cfg.n_layer * cfg.n_head * cfg.head_dim * read, rel=1e-12)
+
+
+def test_bench_arithmetic_floor_bounds():
+    """The arithmetic floor: never below the bandwidth floor; equal to it when FLOPs are free; the FLOP
+    time of both phases when bytes are free; each phase the longer of its two times."""
+    import random
+
+    from arsparse.bench import step_floors
+
+    w, kv, prod, att, bw, rate = (random.uniform(1e8, 1e10) for _ in range(6))
+    byte_ms, arith_ms = step_floors(w, kv, (prod, att), bw, rate)
+    assert byte_ms == pytest.approx((w + kv) / bw * 1e3) and arith_ms >= byte_ms * (1 - 1e-12)
+    assert step_floors(w, kv, (prod, att), bw, float("inf"))[1] == pytest.approx(byte_ms)
+    assert step_floors(w, kv, (prod, att), float("inf"), rate)[1] == pytest.approx((prod + att) / rate * 1e3)
+    assert step_floors(1.0, 1.0, (5.0, 0.5), 1.0, 1.0) == (2e3, 6e3)  # (products 5 s, then K/V 1 s)
+
+
 def test_bench_variants_parse_apply_and_restore():
     pytest.importorskip("triton")
     from arsparse.bench import _applied, markdown_table, parse_variant
