@@ -363,9 +363,9 @@ def markdown_table(result: dict) -> str:
         batch = f"{r['batch']} (max)" if r["max_batch"] else str(r["batch"])
         policy = f"{r['policy']} [{r['variant']}]" if r.get("variant") else r["policy"]
         lines.append(f"| {policy} | {r['kernel']} | {batch} | {r['ms_per_step']:.3f} | {r['floor_ms_per_step']:.3f} | "
-                     f"{r['ratio_to_floor']:.2f} | {x(r.get('ratio_to_arith_floor'))} | {r['images_per_s']:.1f} | {x(r['x_dense_same_batch'])} | "
-                     f"{x(r['x_dense_max_batch'])} | {x(r.get('x_fastest_dense'))} | {r['tokens_per_s']:.0f} | "
-                     f"{r['peak_mem_gb']:.1f} | "
+                     f"{r['ratio_to_floor']:.2f} | {x(r.get('ratio_to_arith_floor'))} | {r['images_per_s']:.1f} | "
+                     f"{x(r['x_dense_same_batch'])} | {x(r['x_dense_max_batch'])} | {x(r.get('x_fastest_dense'))} | "
+                     f"{r['tokens_per_s']:.0f} | {r['peak_mem_gb']:.1f} | "
                      f"{r['kv_bytes_per_image'] / 1e6:.1f} | {r['kv_read_bytes_per_step'] / 1e9:.2f} |")
     return "\n".join(lines)
 

@@ -52,6 +52,7 @@ def stratified_evict_slots(score: torch.Tensor, pos: torch.Tensor, evictable: to
                                BLOCK_C=BLOCK_C, **LAUNCH)  # (histogram bins: row + 1)
     tables = B * H
     tpp = -(-tables // min(tables, MANY_PROGRAMS_PER_SM * sm_count(score.device)))  # tables per program
-    evict_many_kernel[(-(-tables // tpp),)](*args, rank, out, *strides, tables, tpp, BLOCK_T=triton.next_power_of_2(tpp),
-                                           BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, **LAUNCH)
+    evict_many_kernel[(-(-tables // tpp),)](*args, rank, out, *strides, tables, tpp,
+                                           BLOCK_T=triton.next_power_of_2(tpp), BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J,
+                                           **LAUNCH)
     return out.view(torch.bool)
