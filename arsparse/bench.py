@@ -370,6 +370,45 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_bench(result: dict, path) -> None:
+    """The rows as pictures: ms per decode step against the row's bandwidth floor (|) and arithmetic
+    floor (x), and images per second with the speed-up over dense (at the same batch, or each at its
+    largest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['policy']}{' [' + r['variant'] + ']' if r.get('variant') else ''}, batch {r['batch']}"
+              + (" (max)" if r["max_batch"] else "") for r in rows]
+    y = range(len(rows))
+    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(13, 1.2 + 0.42 * len(rows)), sharey=True)
+    ax_t.barh(y, [r["ms_per_step"] for r in rows], color="tab:blue", alpha=0.75, label="measured")
+    ax_t.scatter([r["floor_ms_per_step"] for r in rows], y, marker="|", s=260, color="black", label="bandwidth floor")
+    arith = [(i, r["arith_floor_ms_per_step"]) for i, r in enumerate(rows) if r.get("arith_floor_ms_per_step")]
+    if arith:
+        ax_t.scatter([a for _, a in arith], [i for i, _ in arith], marker="x", s=60, color="tab:red",
+                     label="arithmetic floor")
+    ax_t.set_xlabel("ms per decode step")
+    ax_t.set_yticks(list(y), labels)
+    ax_t.invert_yaxis()
+    ax_t.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1), ncol=3, frameon=False)
+    ax_i.barh(y, [r["images_per_s"] for r in rows], color="tab:green", alpha=0.75)
+    for i, r in enumerate(rows):
+        x = r.get("x_dense_same_batch") or r.get("x_dense_max_batch")
+        if x:
+            ax_i.annotate(f" {x:.2f}x dense{' at its max batch' if r['max_batch'] else ''}", (r["images_per_s"], i),
+                          va="center", fontsize=8)
+    ax_i.set_xlabel("images per second")
+    for ax in (ax_t, ax_i):
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"{result['gpu']}, {result['model']}, {result['tokens']} tokens, torch {result['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cmd_bench(args) -> int:
     try:
         batches = [b if b == "max" else int(b) for b in args.batch.split(",")]
@@ -397,6 +436,10 @@ def cmd_bench(args) -> int:
                                for b in batches if b != "max"]
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+        try:
+            plot_bench(result, Path(args.out).with_suffix(".png"))
+        except ImportError:
+            print("(no picture: matplotlib is not installed; pip install 'arsparse[plots]')")
     print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
           f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s, matrix products {result['matmul_tflops']:.0f} TFLOP/s")
     print(markdown_table(result))
@@ -448,5 +491,5 @@ def add_bench_parser(sub) -> None:
                         "kernel: block_n, small_block_n, num_warps, num_stages, dot and prefetch 0|1), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
-    b.add_argument("--out", help="write the JSON here")
+    b.add_argument("--out", help="write the JSON here, and beside it a picture of the rows (.png)")
     b.set_defaults(func=cmd_bench)

@@ -284,6 +284,28 @@ def test_bench_arithmetic_floor_bounds():
     assert step_floors(1.0, 1.0, (5.0, 0.5), 1.0, 1.0) == (2e3, 6e3)  # (products 5 s, then K/V 1 s)
 
 
+def test_bench_picture_of_the_rows(tmp_path):
+    """plot_bench draws every row (with or without an arithmetic floor: older JSON) into a PNG."""
+    pytest.importorskip("matplotlib")
+    import random
+
+    from PIL import Image
+
+    from arsparse.bench import _add_ratios, plot_bench
+
+    rows = []
+    for i, policy in enumerate(["dense", "diagonal", "h2o:rho=0.14", "dense"]):
+        ms = random.uniform(1, 20)
+        rows.append(dict(policy=policy, kernel="triton", batch=256 if i < 3 else 500, max_batch=i == 3,
+                         variant="dense.dot=1" if i == 3 else "", ms_per_step=ms, floor_ms_per_step=ms / 2,
+                         images_per_s=random.uniform(5, 100), **({"arith_floor_ms_per_step": ms / 1.5} if i % 2 else {})))
+    _add_ratios(rows)
+    path = tmp_path / "bench.png"
+    plot_bench(dict(gpu="GPU", model="GPT-XL", tokens=576, torch="x", rows=rows), path)
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 1000 and im.size[1] > 200
+
+
 def test_bench_variants_parse_apply_and_restore():
     pytest.importorskip("triton")
     from arsparse.bench import _applied, markdown_table, parse_variant
