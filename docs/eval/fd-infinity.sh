@@ -24,7 +24,7 @@ set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 POLICIES=${POLICIES:-dense,diagonal} SAMPLES=${SAMPLES:-5000} SEED=${SEED:-30000} BOOTSTRAP=${BOOTSTRAP:-100}
 KID=${KID:-100}  # (kernel distances over this many subsets of 1,000: no finite-sample bias; 0: none)
-NLL_IMAGES=${NLL_IMAGES:-256} DEVICE=${DEVICE:-cuda} PY=${PYTHON:-python3} LIMIT=${LIMIT:-540}
+NLL_IMAGES=${NLL_IMAGES:-256} DEVICE=${DEVICE:-cuda} PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)} LIMIT=${LIMIT:-540}
 EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the eval)
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i

@@ -27,7 +27,7 @@ set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 # (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
 POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
-NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-python3} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
+NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)} TRAIN_S=${TRAIN_S:-360} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
 DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
 BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers are known: more time to train)
 # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2 SEEDS="0 7" EVAL_ARGS="--ref-images 40")
@@ -46,7 +46,8 @@ if [ "$what" = prepare ]; then
 import gzip, lzma, pathlib, torch
 from arsparse.bundles import load_model
 _, tok = load_model("fashion-c2i")
-for f in sorted(pathlib.Path(".data/fashion-mnist").glob("*.gz")):
+from arsparse.data.fashion import find_fashion_dir
+for f in sorted(find_fashion_dir().glob("*.gz")):  # (.data/fashion-mnist, else the Debian package's; else an error)
     raw = gzip.open(f).read()
     if "images" in f.name:  # (16-byte idx header, then one byte per pixel)
         px = torch.frombuffer(bytearray(raw[16:]), dtype=torch.uint8)
@@ -64,7 +65,8 @@ PYEOF
   fi
   du -ch .ft/* | tail -1
   echo "park before the call (mv back after):" $(for m in $park; do echo arsparse/weights/$m.safetensors; done) \
-    $([ $ds = emoji ] && echo "docs/analysis docs/eval (the emoji GPT packs to 33 MB only)")
+    $([ $ds = emoji ] && echo "docs/analysis docs/eval (the emoji GPT packs to 33 MB only)" \
+      || echo "docs/analysis (with MobileNetV2's weights the tree is otherwise just over 64 MiB)")
   exit 0
 fi
 export PYTHONPATH=. ARSPARSE_DATA=/tmp/data TRITON_INTERPRET=0
