@@ -3,7 +3,8 @@
 # 10 minutes), in this order of priority:
 #   bash docs/bench/next-gpu-run.sh c   # headkv's eviction kernels, third form (session 18: histograms, and
 #                                       # evict_many's programs over runs of tables; timed alone only) checked
-#                                       # on the GPU, then headkv beside dense at batch 256
+#                                       # on the GPU, then headkv and diagonal beside dense (now with
+#                                       # tensor-core products) at batch 256
 #   bash docs/bench/next-gpu-run.sh a   # the GPU tests of the dense, slot and eviction kernels and the compiled step
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (dense now with
 #                                       # tensor-core products by default, run 16)
@@ -27,7 +28,7 @@ a)  # (the kernels against the reference: bench does not check outputs)
 c)
   timeout 90 python3 -m pytest -q tests/test_cuda.py -k "evict or scored_policy" 2>&1 | tail -2
   B 400 --image-tokens 576 --batch 256 --compile --profile --out "$OUT/b256-576-headkv.json" \
-    --policies "dense;headkv:rho=$R" | grep -v "^  dense" | tail -12 ;;
+    --policies "dense;diagonal;headkv:rho=$R" | grep -v "^  dense\|^  diagonal" | tail -14 ;;
 b)
   B 280 --image-tokens 576 --batch max --compile --policies "dense;diagonal;streaming:rho=$R" \
     --out "$OUT/max576.json" | tail -5
