@@ -440,8 +440,8 @@ def cmd_bench(args) -> int:
             plot_bench(result, Path(args.out).with_suffix(".png"))
         except ImportError:
             print("(no picture: matplotlib is not installed; pip install 'arsparse[plots]')")
-    print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, "
-          f"copy bandwidth {result['copy_bandwidth_gb_s']:.0f} GB/s, matrix products {result['matmul_tflops']:.0f} TFLOP/s")
+    print(f"\n{result['gpu']}, torch {result['torch']}, {result['model']} {result['tokens']} tokens, copy bandwidth "
+          f"{result['copy_bandwidth_gb_s']:.0f} GB/s, matrix products {result['matmul_tflops']:.0f} TFLOP/s")
     print(markdown_table(result))
     for r in result["rows"]:
         for name, ms in r["profile"] or []:
@@ -488,7 +488,7 @@ def add_bench_parser(sub) -> None:
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
-                        "kernel: block_n, small_block_n, num_warps, num_stages, dot and prefetch 0|1), "
+                        "kernel: block_n, small_block_n, num_warps, num_stages, dot, small_dot and prefetch 0|1), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here, and beside it a picture of the rows (.png)")
