@@ -120,39 +120,31 @@ def _applied(variant: Variant):
         ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
 
 
+def _median_seconds(run, reps: int = 10) -> float:
+    """GPU time of ``run()`` in seconds, median of ``reps`` after two warm-up calls (CUDA events)."""
+    times = []
+    for i in range(reps + 2):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        e[0].record()
+        run()
+        e[1].record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(e[0].elapsed_time(e[1]) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of reps)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    times.sort()
-    return 2 * nbytes / times[len(times) // 2]
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), reps)
 
 
 def matmul_throughput(device, dtype, n: int = 8192, reps: int = 10) -> float:
     """Matrix-product rate in FLOP/s: ``(n, n) @ (n, n)`` in ``dtype``, median of reps."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    times = []
-    for i in range(reps + 2):
-        e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        e[0].record()
-        torch.mm(a, b)
-        e[1].record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(e[0].elapsed_time(e[1]) / 1e3)
-    del a, b
-    times.sort()
-    return 2 * n**3 / times[len(times) // 2]
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), reps)
 
 
 def step_flops(cfg: GPTConfig, rows: int, read: float) -> tuple[float, float]:

@@ -63,8 +63,8 @@ def evict_one_kernel(SCORE, POS, EV, K, OUT, s_b, s_h, p_b, p_h, e_b, e_h, k_b, 
         for c0 in range(0, C, BLOCK_C):
             ii = c0 + tl.arange(0, BLOCK_C)
             s, row, ev = _entries(SCORE, POS, EV, ii, C, P, W)
-            there = tl.gather(fullest, tl.minimum(tl.maximum(row + 1, 0), BLOCK_R - 1), 0) > 0
-            cand = ev & there & (row >= 0) & (row < BLOCK_R - 1)
+            there = tl.gather(fullest, tl.minimum(tl.maximum(row + 1, 0), BLOCK_R - 1), 0) > 0  # (bin 0: none)
+            cand = ev & there & (row < BLOCK_R - 1)
             cs = tl.min(tl.where(cand, s, float("inf")), axis=0)
             ci = tl.min(tl.where(cand & (s == cs), ii, _NONE), axis=0)
             better = (cs < best_s) | ((cs == best_s) & (ci < best_i))
