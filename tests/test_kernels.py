@@ -183,6 +183,54 @@ def test_ring_kernel_remainder_entry_matches_reference(poisoned_empty, launch, B
         ring_decode_attention(*inputs, S, rest_sums=(sums[0].half(), sums[1]))
 
 
+@pytest.mark.parametrize("launch", [None, dict(merged=False, late_cast=True),
+                                    dict(rows_per_program=2, early_loads=False)],
+                         ids=["engine", "three-tiles-late", "rows2-wait-first"])
+@pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
+    (4, 4, 4, 1, 2, 12, 64, torch.float32),  # MHA, one table per row
+    (3, 4, 2, 5, 3, 9, 100, torch.bfloat16),  # GQA, head_dim 100 (a masked tail of the pairs)
+    (2, 2, 1, 1, 0, 7, 128, torch.float32),  # MQA, no sinks
+])
+def test_ring_kernel_rotates_q_and_k_as_apply_rope(poisoned_empty, launch, B, H, Hkv, P, S, W, D, dtype):
+    """rope=: q and the new key arrive unrotated, as strided views of one projection output (B, H + 2 Hkv,
+    D), and the kernel rotates them. Output and written buffers (the rotated key in the ring and the
+    sinks) == the reference's on inputs rotated beforehand by the model's apply_rope, with tables of
+    random angles, one per row and one shared."""
+    from arsparse.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    offsets = random_offsets(g, H, 6, W)
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W][:B])
+    inputs, _ = random_ring_case(B, H, Hkv, P, S, W, D, offsets, pos, dtype, int(pos.sum()), DEVICE)
+    qkv = torch.randn(B, H + 2 * Hkv, D, generator=g).to(dtype)  # the projection's output, one position
+    q, k_new = qkv[:, :H], qkv[:, H:H + Hkv]  # (B, H, D), (B, Hkv, D) views with the row stride of qkv
+    v_new = inputs[2]
+    # bf16: the interpreter's casts truncate, so its rotated q and k may sit one unit in the last place
+    # from PyTorch's (rounded) ones, which the softmax carries into the output
+    tol = TOL if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-2)
+    for rows in (B, 1):
+        angle = torch.rand(rows, D // 2, generator=g) * 6.3
+        table = torch.stack([angle.cos(), angle.sin()], -1)  # (rows, D/2, 2) cos/sin of random angles
+        rot = lambda x: apply_rope(x[:, None], table if rows == 1 else table[:, None])[:, 0]  # noqa: E731
+        bufs = [t.cpu().clone() for t in inputs[3:9]]
+        want = ring_decode_attention_ref(rot(q), rot(k_new), v_new.cpu(), *bufs, offsets, pos, S)
+        fresh = [t.clone() for t in inputs[3:9]]
+        got = ring_decode_attention(q.to(DEVICE), k_new.to(DEVICE), v_new, *fresh, offsets.to(DEVICE),
+                                    pos.to(DEVICE), S, rope=table.to(DEVICE), launch=launch)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu(), want, **tol)
+        if DEVICE == "cpu" and dtype == torch.float32:  # the interpreter's fp32 rotation is PyTorch's (no
+            _same([t.cpu() for t in fresh], bufs)  # fused multiply-adds); its casts to bf16 truncate
+        else:
+            for t, w in zip(fresh, bufs):
+                torch.testing.assert_close(t.cpu(), w, equal_nan=True, **tol)
+    with pytest.raises(ValueError, match="rope table must be contiguous fp32"):
+        ring_decode_attention(*inputs, S, rope=table.double())
+    with pytest.raises(ValueError, match="do not go together"):
+        sums = tuple(torch.zeros(B, Hkv, D, device=DEVICE) for _ in range(2))
+        ring_decode_attention(*inputs, S, rope=table.to(DEVICE), rest_sums=sums)
+
+
 @pytest.mark.parametrize("launch", [None, dict(merged=False)], ids=["engine", "three-tiles"])
 def test_ring_kernel_offsets_past_int32_read_nothing(poisoned_empty, launch):
     """The kernel computes positions in 32 bits: an offset of 2**31 or more (past any position) reads
@@ -380,6 +428,47 @@ def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
         fast.pos.add_(1)
 
 
+@pytest.mark.parametrize("model_type,matvec", [("c2i", False), ("t2i", False), ("c2i", True)],
+                         ids=["c2i", "t2i", "c2i-matvec"])
+def test_ring_kernel_rotating_q_and_k_gives_the_reference_tokens(monkeypatch, model_type, matvec):
+    """On the fused path (the PyTorch halves, as compiled on a GPU) a ring policy's decode steps hand q
+    and k to the Triton ring kernel unrotated with the step's RoPE table (one per row for t2i), and the
+    kernel rotates them: the tokens equal the reference path's (RoPE in the model, gathered attention).
+    The matvec halves fold RoPE into their wqkv launch and hand over rotated q and k (no table)."""
+    from arsparse import Generator
+    from arsparse.kernels import triton as kernels
+    from conftest import random_cond, random_gpt
+
+    model = random_gpt(model_type, seed=6)
+    cond = random_cond(model, 2)
+    policy = "diagonal:local=3,rows=1,band=1,sinks=2"
+    kw = dict(cfg_scale=2.0, temperature=1.0, seed=int.from_bytes(os.urandom(2), "little"))
+    want = Generator(model, device=DEVICE, dtype="fp32", kernel="torch", policy=policy).sample_tokens(cond, **kw)
+    tables = []
+    real = kernels.ring_decode_attention
+
+    def recording(*a, rope=None, **k):
+        tables.append(rope)
+        return real(*a, rope=rope, **k)
+
+    monkeypatch.setattr(kernels, "ring_decode_attention", recording)
+    gen = Generator(model, device=DEVICE, dtype="fp32", kernel="triton", policy=policy, matvec=matvec)
+    if not matvec:
+        model.fuse(None)  # (the compiled path's halves, uncompiled)
+    try:
+        got = gen.sample_tokens(cond, **kw)
+    finally:
+        model.unfuse()
+    assert torch.equal(got, want)
+    cfg = model.config
+    n = (cfg.image_tokens - 1) * cfg.n_layer  # every decode step's layers, not the prefill (CUDA graphs
+    assert len(tables) == n if DEVICE == "cpu" else 0 < len(tables) < n  # replay the steps they captured)
+    if matvec:
+        assert all(t is None for t in tables)
+    else:
+        assert all(t is not None and t.shape[-2:] == (cfg.head_dim // 2, 2) for t in tables)
+
+
 @pytest.mark.parametrize("policy,n_kv_head", [(None, 2), ("diagonal", None), ("streaming", 1), ("remainder", 2)])
 def test_row_caches_triton_step_equals_torch_step(policy, n_kv_head):
     """The continuous-batching caches: rows at random positions of their own (the first image
@@ -470,9 +559,10 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
         assert torch.equal(results[i], _offline(offline, r)), f"request {i}"
 
 
-RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (the engine's: MERGED, ALIGN 16)
+RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (the engine's: MERGED, ALIGN 16,
+    # HAS_ROPE)
     "engine": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                    HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16), 1),
+                    HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16, HAS_ROPE=True), 1),
     "rows4-span-rest-heads-first": (dict(G=1, ROWS=4, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=True, HAS_REST=True,
                                          LATE_CAST=False, HEADS_FIRST=True, MERGED=True, ALIGN=4), 1),
     "gqa-caption-late": (dict(G=4, ROWS=8, BLOCK_P=128, BLOCK_D=128, HAS_SPAN=True, HAS_REST=False, LATE_CAST=True,
@@ -483,7 +573,7 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (t
     # 279 of 289 global loads; after it only the query, the new token and the sums); without
     # early_loads only the offsets
     "engine-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
-                        HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16), 1,
+                        HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16, HAS_ROPE=True), 1,
                    PDL_PTX + ["ld.global before wait >= 200"]),
     "three-tiles-pdl": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False, LATE_CAST=False,
                              HEADS_FIRST=False, PDL=True, EARLY=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
@@ -501,7 +591,7 @@ def test_ring_kernel_compiles_for_hopper():
     process of its own (this module runs the interpreter): the interpreter runs Python, so this is
     what shows that the compiled form accepts the code (loop-carried values, masks, tuples) in each
     build the engine and the launch sweep use."""
-    pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
+    pointers = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32", ROPE="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
     builds = {name: (dict(const, BLOCK_O=64, BLOCK_S=4), *rest)
               for name, (const, *rest) in RING_BUILDS.items()}

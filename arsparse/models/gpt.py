@@ -25,7 +25,12 @@ MERGE_FFN = True
 
 
 class AttentionBackend(Protocol):
-    """What the model calls for attention when it is not plain causal self-attention."""
+    """What the model calls for attention when it is not plain causal self-attention.
+
+    A backend whose ``rotates_qk`` attribute is true (now) gets q and k unrotated on the fused path
+    (unless the block's first half ``folds_rope``), with the step's RoPE table as ``attend(..., rope=table)``,
+    and rotates them in its own kernel.
+    """
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, D), k/v (B, Hkv, T, D) of the new positions -> output (B, H, T, D)."""
@@ -63,13 +68,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def qkv_rope(x: torch.Tensor, wqkv: torch.Tensor, rope: torch.Tensor, n_head: int, n_kv: int):
-    """x (B, T, dim) -> q (B, H, T, D), k and v (B, Hkv, T, D): fused projection, then RoPE on q and k."""
+    """x (B, T, dim) -> q (B, H, T, D), k and v (B, Hkv, T, D): fused projection, then RoPE on q and k
+    (``rope`` None: q and k unrotated, views of the projection, for a backend that rotates them itself)."""
     B, T, _ = x.shape
     D = wqkv.shape[0] // (n_head + 2 * n_kv)
-    q, k, v = F.linear(x, wqkv).split([n_head * D, n_kv * D, n_kv * D], dim=-1)
-    q = apply_rope(q.view(B, T, n_head, D), rope).transpose(1, 2)
-    k = apply_rope(k.view(B, T, n_kv, D), rope).transpose(1, 2)
-    return q, k, v.view(B, T, n_kv, D).transpose(1, 2)
+    q, k, v = F.linear(x, wqkv).view(B, T, n_head + 2 * n_kv, D).split([n_head, n_kv, n_kv], dim=2)
+    if rope is not None:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor) -> torch.Tensor:
@@ -205,11 +211,15 @@ class Attention(nn.Module):
             out = F.dropout(out, self.resid_dropout_p, training=True)
         return out
 
-    def attend(self, q, k, v, layer: int, backend: AttentionBackend | None, dropout_p: float = 0.0) -> torch.Tensor:
-        """-> (B, T, H*D), heads concatenated. ``dropout_p`` drops attention weights (plain causal attention only)."""
+    def attend(self, q, k, v, layer: int, backend: AttentionBackend | None, dropout_p: float = 0.0,
+               rope: torch.Tensor | None = None) -> torch.Tensor:
+        """-> (B, T, H*D), heads concatenated. ``dropout_p`` drops attention weights (plain causal attention only).
+        ``rope``: q and k are unrotated and the backend (``rotates_qk``) rotates them by this table."""
         if backend is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                                  enable_gqa=self.n_kv != self.n_head)
+        elif rope is not None:
+            out = backend.attend(layer, q, k, v, rope=rope)
         else:
             out = backend.attend(layer, q, k, v)
         B, _, T, _ = out.shape
@@ -237,11 +247,13 @@ class TransformerBlock(nn.Module):
         block's output as the pair whose sum it is; f None for the first block) -> this block's pair."""
         first, second = fused[:2]
         a, ff = self.attention, self.feed_forward
-        x, q, k, v = first(x, f, self.attention_norm.weight, a.wqkv.weight, rope, a.n_head, a.n_kv,
-                           self.attention_norm.eps)
+        # RoPE in the backend's kernel rather than in ``first``, unless ``first`` folds it into its product
+        late = getattr(backend, "rotates_qk", False) and not getattr(first, "folds_rope", False)
+        x, q, k, v = first(x, f, self.attention_norm.weight, a.wqkv.weight, None if late else rope, a.n_head,
+                           a.n_kv, self.attention_norm.eps)
         w1, w3 = (ff.w13, None) if ff.merged else (ff.w1.weight, ff.w3.weight)
-        return second(x, a.attend(q, k, v, layer, backend), a.wo.weight, self.ffn_norm.weight,
-                      w1, w3, ff.w2.weight, self.ffn_norm.eps)
+        return second(x, a.attend(q, k, v, layer, backend, rope=rope if late else None), a.wo.weight,
+                      self.ffn_norm.weight, w1, w3, ff.w2.weight, self.ffn_norm.eps)
 
 
 class GPT(nn.Module):

@@ -34,8 +34,10 @@ def halves() -> tuple:
             return gpt.block_in(x, f, norm_w, wqkv, rope, n_head, n_kv, eps)
         B, T, dim = x.shape
         D = wqkv.shape[0] // (n_head + 2 * n_kv)
-        table = rope if rope.dim() == 3 else rope.reshape(B, D // 2, 2)  # (1, D/2, 2) shared, or one per row
-        args = dict(norm=(norm_w, eps), rope=(table.contiguous(), (n_head + n_kv) * D, D))
+        args = dict(norm=(norm_w, eps))
+        if rope is not None:  # (None: the attention kernel rotates q and k)
+            table = rope if rope.dim() == 3 else rope.reshape(B, D // 2, 2)  # (1, D/2, 2) shared, or one per row
+            args["rope"] = (table.contiguous(), (n_head + n_kv) * D, D)
         if f is None:
             y = matvec(x.view(B, dim), wqkv, **args)
         else:
@@ -58,4 +60,7 @@ def halves() -> tuple:
             return gpt.final_logits(h, f, norm_w, out_w, eps)
         return matvec(h, out_w, add=f, norm=(norm_w, eps))[0].float()
 
+    # RoPE costs nothing folded into the wqkv launch, and a ring kernel that rotates q and k itself waits
+    # longer at a few rows (batch 1, 576 tokens: diagonal 0.989 -> 1.006 ms, run 17): keep it here
+    block_in.folds_rope = True
     return block_in, block_out, final_logits

@@ -108,7 +108,21 @@ class RingKVCache(_PromptCache):
         state = (self.pk, self.pv, self.rk, self.rv, self.sk, self.sv, self.ksum, self.vsum)
         return sum(t.numel() * t.element_size() for t in state)
 
-    def attend(self, layer: int, q, k, v):
+    @property
+    def rotates_qk(self) -> bool:
+        """Whether ``attend`` takes ``rope=`` (the step's RoPE table, q and k unrotated) and rotates them
+        in the decode kernel: decode steps of the Triton kernel without the remainder entry, while the
+        kernel's ``LAUNCH["rotate"]`` says so (``arsparse bench --variant ring.rotate=0``: RoPE in the block)."""
+        if self.phase != "decode" or self.kernel != "triton" or self.remainder:
+            return False
+        from ..kernels.triton import ring
+        return ring.LAUNCH["rotate"]
+
+    def attend(self, layer: int, q, k, v, rope: torch.Tensor | None = None):
+        if rope is not None:  # (the model passes a table only when rotates_qk says so)
+            if not self.rotates_qk:
+                raise ValueError("rope= needs a decode step of the triton kernel without the remainder entry")
+            return self._decode_triton(layer, q, k, v, self.pos, rope)
         if self.phase == "prefill":
             if self.remainder:
                 self.ksum[layer].zero_()
@@ -152,10 +166,11 @@ class RingKVCache(_PromptCache):
                                    ok[None])
         return _attend_gathered(q, keys, values, valid, rest)[0]
 
-    def _decode_triton(self, layer: int, q, k, v, pos):
+    def _decode_triton(self, layer: int, q, k, v, pos, rope=None):
         """One kernel writes k, v (B, Hkv, 1, D) and attends over the read set computed in-kernel from
         the offsets table, for the first B rows at ``pos`` (a scalar or (B,) tensor) -> (B, H, 1, D).
-        It writes no scratch sink slot (that is the torch path's branch-free write)."""
+        It writes no scratch sink slot (that is the torch path's branch-free write). ``rope``: the step's
+        table, (1, D/2, 2) shared or (B, 1, D/2, 2) one per row; q and k come unrotated."""
         from ..kernels.triton import ring_decode_attention
 
         B = q.shape[0]
@@ -163,7 +178,8 @@ class RingKVCache(_PromptCache):
         sums = (self.ksum[layer, :B], self.vsum[layer, :B]) if self.remainder else None
         return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
                                      self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
-                                     self.offsets[layer], pos, self.S, prompt_span=span, rest_sums=sums).unsqueeze(2)
+                                     self.offsets[layer], pos, self.S, prompt_span=span, rest_sums=sums,
+                                     rope=None if rope is None else rope.reshape(-1, *rope.shape[-2:])).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):

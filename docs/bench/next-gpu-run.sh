@@ -1,13 +1,11 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh c   # headkv's eviction kernels, third form (session 18: histograms, and
-#                                       # evict_many's programs over runs of tables; timed alone only) checked
-#                                       # on the GPU, then headkv and diagonal beside dense (now with
-#                                       # tensor-core products) at batch 256
-#   bash docs/bench/next-gpu-run.sh a   # the GPU tests of the dense, slot and eviction kernels and the compiled step
-#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (dense now with
-#                                       # tensor-core products by default, run 16)
+#   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, at diagonal's memory (the
+#                                       # issue-4 table so far joins runs 14-17; headkv's eviction and the ring
+#                                       # kernel's RoPE are newer than most of its rows)
+#   bash docs/bench/next-gpu-run.sh a   # the GPU tests of every kernel and the compiled step (run 17 ran a subset)
+#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens
 # and the quality calls (issue 5; first, here: `bash docs/eval/fd-infinity.sh prepare fashion|emoji`, park
 # what it lists, carry .ft): streaming's budget sweep on fashion (run 16's sweep ran out of time after
 # diagonal), then emoji's baselines and sweep at 3,000 samples:
@@ -23,15 +21,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
 R=0.1424  # diagonal's default keeps 82 of 576 positions (prompt + sinks + ring)
 case ${1:?a, b or c} in
-a)  # (the kernels against the reference: bench does not check outputs)
-  timeout 400 python3 -m pytest -q tests/test_cuda.py -k "fused_dense or tensor_core or slot or scored or policy_caches or compiled_step or evict" 2>&1 | tail -3 | tee "$OUT/test_cuda.txt" ;;
+a)  # (the kernels against the reference: bench does not check outputs; 115 of these took 253 s in run 17)
+  timeout 560 python3 -m pytest -q tests/test_cuda.py tests/test_kernels.py 2>&1 | tail -3 | tee "$OUT/test_cuda.txt" ;;
 c)
-  timeout 90 python3 -m pytest -q tests/test_cuda.py -k "evict or scored_policy" 2>&1 | tail -2
-  B 400 --image-tokens 576 --batch 256 --compile --profile --out "$OUT/b256-576-headkv.json" \
-    --policies "dense;diagonal;headkv:rho=$R" | grep -v "^  dense\|^  diagonal" | tail -14 ;;
+  B 560 --image-tokens 576 --batch 256 --compile --out "$OUT/b256-576-policies.json" \
+    --policies "dense;diagonal;streaming:rho=$R;lines:rho=$R;h2o:rho=$R;tova:rho=$R;headkv:rho=$R" | grep "|" ;;
 b)
   B 280 --image-tokens 576 --batch max --compile --policies "dense;diagonal;streaming:rho=$R" \
-    --out "$OUT/max576.json" | tail -5
-  B 280 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | tail -4 ;;
+    --out "$OUT/max576.json" | grep "|"
+  B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
 *) echo "part a, b or c, got $1"; exit 2 ;;
 esac

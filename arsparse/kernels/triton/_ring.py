@@ -33,12 +33,32 @@ from ._pdl import launch_next, wait_prior
 
 
 @triton.jit
-def _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask):
-    """What the step wrote for row ``b``: the scaled query of head ``h`` (fp32) and the new token's K/V."""
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_d, mask=dmask, other=0.0).to(tl.float32) * scale  # (BD,)
-    kn = tl.load(KN + b * skn_b + hk * skn_h + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
+def _rotated(X, x, cos, sin, offs_d, dmask):
+    """x (BD,) = X[offs_d] rotated in interleaved pairs, as ``apply_rope``: element 2j becomes
+    a cos - b sin, element 2j + 1 b cos + a sin (a, b = x[2j], x[2j + 1]), in fp32, rounded to x's dtype."""
+    partner = tl.load(X + (offs_d ^ 1), mask=dmask, other=0.0).to(tl.float32)  # x[2j + 1] at 2j, x[2j] at 2j + 1
+    sign = tl.where((offs_d & 1) == 0, -1.0, 1.0)
+    return (x.to(tl.float32) * cos + sign * partner * sin).to(x.dtype)
+
+
+@triton.jit
+def _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, scale, offs_d, dmask,
+                 HAS_ROPE: tl.constexpr):
+    """What the step wrote for row ``b``: the scaled query of head ``h`` (fp32) and the new token's K/V.
+    ``HAS_ROPE``: the query and key arrive unrotated and are rotated here by row ``b``'s (D/2, 2)
+    cos/sin table (one load of it and of each vector's pair partners, from the cache)."""
+    q_ptr = Q + b * sq_b + h * sq_h
+    k_ptr = KN + b * skn_b + hk * skn_h
+    q = tl.load(q_ptr + offs_d, mask=dmask, other=0.0)  # (BD,)
+    kn = tl.load(k_ptr + offs_d, mask=dmask, other=0.0)  # the new token, cache dtype
     vn = tl.load(VN + b * svn_b + hk * svn_h + offs_d, mask=dmask, other=0.0)
-    return q, kn, vn
+    if HAS_ROPE:
+        t_off = b * srope_b + (offs_d // 2) * 2
+        cos = tl.load(ROPE + t_off, mask=dmask, other=1.0)  # (BD,): each pair's cos, twice
+        sin = tl.load(ROPE + t_off + 1, mask=dmask, other=0.0)
+        q = _rotated(q_ptr, q, cos, sin, offs_d, dmask)
+        kn = _rotated(k_ptr, kn, cos, sin, offs_d, dmask)
+    return q.to(tl.float32) * scale, kn, vn
 
 
 @triton.jit
@@ -88,22 +108,24 @@ def _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_
 
 
 @triton.jit
-def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
-                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
+def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
+                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
                 ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
                 HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, ALIGN: tl.constexpr):
+                EARLY: tl.constexpr, ALIGN: tl.constexpr, HAS_ROPE: tl.constexpr):
     """Row ``b``'s read set in one tile (:func:`_merged_gather`) and one softmax over it and the new
     token. Returns the unnormalised output and its sum, (BD,) and a scalar, and the new token's K/V
     (for the caller's cache write)."""
     if not EARLY:
-        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+        q, kn, vn = _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b,
+                                  scale, offs_d, dmask, HAS_ROPE)
     k, v, is_r, new, old = _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_h, sp_s,
                                           ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, P, S, W, n_off, offs_d, dmask,
                                           HAS_SPAN, ALIGN)
     if EARLY:
         wait_prior(PDL)
-        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+        q, kn, vn = _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b,
+                                  scale, offs_d, dmask, HAS_ROPE)
     LOG2E: tl.constexpr = 1.4426950408889634
     n_new = tl.sum(new.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
     u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))  # log2 units
@@ -132,15 +154,17 @@ def _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h
 
 
 @triton.jit
-def _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk, pos, i,
-                    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
-                    ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
-                    LATE_CAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk, pos, i,
+                    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h,
+                    sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr,
+                    HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    HAS_ROPE: tl.constexpr):
     """Row ``b``'s read set as three tiles (prompt (BP, BD), sinks (BS, BD), ring entries (BO, BD)) and one
     softmax over them and the new token, which (as in :func:`_merged_row`) is one term from registers,
     its slot left out of the gathers. Returns the unnormalised output (BD,), its sum and the new token."""
     if not EARLY:
-        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+        q, kn, vn = _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b,
+                                  scale, offs_d, dmask, HAS_ROPE)
     pmask = jp < P  # the prompt (BP,)
     if HAS_SPAN:
         pmask = pmask & (jp >= tl.load(SPAN + 2 * b)) & (jp < tl.load(SPAN + 2 * b + 1))
@@ -162,7 +186,8 @@ def _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, 
     vr = tl.load(RV + r_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
     if EARLY:
         wait_prior(PDL)
-        q, kn, vn = _step_inputs(Q, KN, VN, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, scale, offs_d, dmask)
+        q, kn, vn = _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b,
+                                  scale, offs_d, dmask, HAS_ROPE)
     if not LATE_CAST:
         kp, vp, ks, vs = kp.to(tl.float32), vp.to(tl.float32), ks.to(tl.float32), vs.to(tl.float32)
         kr, vr = kr.to(tl.float32), vr.to(tl.float32)
@@ -197,14 +222,14 @@ def _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, 
 
 @triton.jit
 def ring_decode_kernel(
-    Q, KN, VN, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
-    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
+    Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
+    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h, ssum_b, ssum_h,
     B, P, S, W, n_off, scale, D,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1,
+    MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1, HAS_ROPE: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -225,6 +250,9 @@ def ring_decode_kernel(
     position likewise), and before anything the step writes (the query, the new token, the sums).
     ``MERGED``: that one tile and one softmax (:func:`_merged_row`; ``ALIGN``: see there) instead of
     three tiles and three softmax terms.
+    ``HAS_ROPE``: the query and the new key arrive unrotated (views of the QKV projection's output) and
+    are rotated here by ROPE (rows or 1, D/2, 2) (row stride ``srope_b``, 0 when shared); the cache
+    gets the rotated key. This takes the step's separate RoPE kernel away (session 19).
     """
     launch_next(PDL)
     scale = tl.cast(scale, tl.float32)  # (it may arrive as fp64 from torch.compile: no fp64 arithmetic)
@@ -248,15 +276,16 @@ def ring_decode_kernel(
         pos = tl.load(POS + b * spos).to(tl.int32)
         i = pos - P  # image index of the query
         if MERGED:
-            acc, l, kn, vn = _merged_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos,
-                                         i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b, ss_h,
-                                         ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
-                                         HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN)
+            acc, l, kn, vn = _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk,
+                                         pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s,
+                                         ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale,
+                                         offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, HAS_ROPE)
         else:
-            acc, l, kn, vn = _three_tile_row(Q, KN, VN, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk,
-                                             pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_b, sp_h, sp_s, ss_b,
-                                             ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d,
-                                             dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY)
+            acc, l, kn, vn = _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b,
+                                             h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b,
+                                             sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W,
+                                             scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY,
+                                             HAS_ROPE)
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
         tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache

@@ -103,6 +103,14 @@ def check_offsets_fit(**tensors: torch.Tensor) -> None:
                              f"offsets reach: use a smaller batch (or the PyTorch kernels, kernel='torch')")
 
 
+def check_rope_table(rope: torch.Tensor, B: int, D: int, device) -> None:
+    """A step's RoPE table for a kernel that rotates q and k itself: (1 or B, D/2, 2) contiguous fp32."""
+    if (rope.dim() != 3 or rope.shape[0] not in (1, B) or tuple(rope.shape[1:]) != (D // 2, 2) or D % 2
+            or rope.dtype != torch.float32 or not rope.is_contiguous() or rope.device != device):
+        raise ValueError(f"the rope table must be contiguous fp32 (1 or B={B}, D/2={D // 2}, 2) on {device}, "
+                         f"got {rope.dtype} {tuple(rope.shape)} on {rope.device}")
+
+
 def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: int, dtype: torch.dtype) -> None:
     """The new token's keys and values: (B, Hkv, D) each, the cache's dtype, unit last stride."""
     for name, t in (("k_new", k_new), ("v_new", v_new)):

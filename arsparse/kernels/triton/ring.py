@@ -6,7 +6,7 @@ import triton
 
 from ._pdl import pdl_args
 from ._ring import ring_decode_kernel
-from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position_stride
+from .decode import check_new_kv, check_offsets_fit, check_prompt_span, check_rope_table, position_stride
 
 #: Settings of the kernel (chosen by sweeps on an H200 and checked in whole decode steps, BENCHMARKS.md
 #: runs 6-8): rows of one query head per program, K/V tiles kept in the cache's dtype until the
@@ -17,7 +17,10 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, position
 #: per step at batch 256, run 9, and was removed.) ``merged``: a row's prompt, sinks and ring entries
 #: in one tile (batch 256, 576 tokens: diagonal 3.923 -> 3.781 ms per step, the ring kernel 1.956 ->
 #: 1.828 ms, run 12).
-LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, num_warps=1)
+#: ``rotate``: the ring cache hands this kernel q and k unrotated and the step's RoPE table (``rope=``),
+#: taking the step's own RoPE kernel away (session 19; the cache reads this key, the kernel does not).
+LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, num_warps=1,
+              rotate=True)
 #: ``merged`` puts a row's prompt, sinks and ring entries in one tile only up to this many rows (or the
 #: ring's own tile size): a long caption prompt keeps its own tile.
 MERGED_ROWS = 64
@@ -28,6 +31,7 @@ _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     heads_first=_BOOL,
     early_loads=_BOOL,
     merged=_BOOL,
+    rotate=_BOOL,
     num_warps=(lambda v: v in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
     num_stages=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
 )
@@ -62,7 +66,8 @@ def _row_alignment(*buffers: torch.Tensor) -> int:
 
 def parse_launch(text: str) -> dict:
     """``"rows_per_program=4,late_cast=1,num_warps=8"`` -> :data:`LAUNCH` with those settings, checked
-    (ints; the bools ``late_cast``, ``heads_first``, ``early_loads`` and ``merged`` take 1/0/true/false).
+    (ints; the bools ``late_cast``, ``heads_first``, ``early_loads``, ``merged`` and ``rotate`` take
+    1/0/true/false).
     For ``arsparse bench --ring-launch``."""
     given = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -85,7 +90,8 @@ def parse_launch(text: str) -> dict:
 def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
                           prompt_span: torch.Tensor | None = None,
-                          rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                          rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          rope: torch.Tensor | None = None) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -114,6 +120,9 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         and V over the image positions past the sinks up to ``pos``, *the new token included* (the
         caller adds it before the launch; the kernel only reads them). Each head then also attends to
         the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
+    rope : optional (1 or B, D/2, 2) contiguous fp32 cos/sin table (one shared, or one per row): ``q`` and
+        ``k_new`` are unrotated and the kernel rotates them as :func:`arsparse.models.rope.apply_rope`
+        would (the cache gets the rotated key). Not with ``rest_sums``, whose sums hold rotated keys.
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -150,12 +159,18 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                                  f"stride, got {t.dtype} {tuple(t.shape)}")
         if rest_sums[0].stride() != rest_sums[1].stride():
             raise ValueError("rest_sums' k_sum and v_sum must have the same strides")
+    if rope is not None:
+        check_rope_table(rope, B, D, q.device)
+        if rest_sums is not None:
+            raise ValueError("rope= (rotation in the kernel) and rest_sums= do not go together: the caller's "
+                             "running sums need the rotated key before the launch")
     sums = (q, q) if rest_sums is None else rest_sums  # (unused pointers without the remainder)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     n_off = offsets.shape[1]
-    args = (q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v, offsets, pos,
-            pos if prompt_span is None else prompt_span, out, *sums,
-            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+    srope = 0 if rope is None or rope.shape[0] == 1 else rope.stride(0)
+    args = (q, k_new, v_new, q if rope is None else rope, prompt_k, prompt_v, sink_k, sink_v, ring_k, ring_v,
+            offsets, pos, pos if prompt_span is None else prompt_span, out, *sums,
+            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), srope,
             prompt_k.stride(0), prompt_k.stride(1), prompt_k.stride(2), sink_k.stride(0), sink_k.stride(1),
             sink_k.stride(2), ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), offsets.stride(0), spos,
             out.stride(0), out.stride(1), sums[0].stride(0), sums[0].stride(1))
@@ -163,6 +178,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                   BLOCK_D=triton.next_power_of_2(D), HAS_SPAN=prompt_span is not None)
     scale = D**-0.5 if scale is None else scale
     cfg = dict(LAUNCH) if launch is None else _settings(launch, "launch")
+    cfg.pop("rotate")  # (the cache's choice: it passes rope= or not)
     rows = cfg.pop("rows_per_program")
     heads_first = cfg.pop("heads_first")
     ring_tile = triton.next_power_of_2(max(n_off, 1))
@@ -172,7 +188,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows,
         BLOCK_O=merged_tile if merged else ring_tile,
-        HAS_REST=rest_sums is not None, LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
+        HAS_REST=rest_sums is not None, HAS_ROPE=rope is not None, LATE_CAST=cfg.pop("late_cast"),
+        HEADS_FIRST=heads_first,
         EARLY=cfg.pop("early_loads"), MERGED=merged, ALIGN=_row_alignment(*tensors.values()) if merged else 1,
         **blocks,
         **pdl_args(q.device), **cfg)
