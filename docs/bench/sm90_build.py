@@ -28,10 +28,10 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas  # (the ptxas Triton itself assembles with)
 from triton.compiler import ASTSource
 
-_RING_PTR = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32",
+_RING_PTR = dict(OFF="*i64", POS="*i64", SPAN="*i32", KSUM="*fp32", VSUM="*fp32", ROPE="*fp32",
                  **{n: "*bf16" for n in ("Q", "KN", "VN", "PK", "PV", "SK", "SV", "RK", "RV", "OUT")})
 _RING = dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, BLOCK_O=64, BLOCK_S=4, HAS_SPAN=False, HAS_REST=False,
-             LATE_CAST=False, HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16)
+             LATE_CAST=False, HEADS_FIRST=False, EARLY=True, MERGED=True, ALIGN=16, HAS_ROPE=True)
 _DENSE_PTR = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                   **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
 _DENSE = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
@@ -44,6 +44,7 @@ _EVICT_PTR = dict(SCORE="*fp32", POS="*i64", EV="*u8", K="*i64", RANK="*i32", OU
 BUILDS = {
     "ring": ("_ring", "ring_decode_kernel", _RING_PTR, _RING, 1, 3),
     "ring-three-tiles": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, MERGED=False), 1, 3),
+    "ring-rope-in-block": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, HAS_ROPE=False), 1, 3),
     "dense": ("_decode", "decode_split_kernel", _DENSE_PTR, _DENSE, 2, 3),
     "dense-64-prefetch": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_N=64, PREFETCH=True), 2, 3),
     "dense-64": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_N=64), 2, 3),
