@@ -12,6 +12,9 @@
 #   SAMPLES=4000 POLICIES=streaming RHOS=0.18,0.25,0.35 bash docs/eval/fd-infinity.sh sweep fashion
 #   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
+# and fashion trained with diagonal's read set from its first step (issue 5's route past +13-19 % FD; 2-3
+# calls chained on the warm machine, each resuming the last; `prepare fashion` first, as its header says):
+#   SCRATCH=1 TRAIN_S=520 bash docs/models/sparse-finetune.sh run fashion
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
