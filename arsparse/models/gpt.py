@@ -27,7 +27,7 @@ MERGE_FFN = True
 class AttentionBackend(Protocol):
     """What the model calls for attention when it is not plain causal self-attention.
 
-    A backend whose ``rotates_qk`` attribute is true (now) gets q and k unrotated on the fused path
+    A backend whose ``rotates_qk`` attribute is true when the fused path calls it gets q and k unrotated
     (unless the block's first half ``folds_rope``), with the step's RoPE table as ``attend(..., rope=table)``,
     and rotates them in its own kernel.
     """
