@@ -10,6 +10,7 @@ import torch
 import triton
 
 from ._matvec import matvec_kernel
+from .decode import check_rope_table
 from ._pdl import pdl_args
 from .settings import json_settings
 
@@ -93,10 +94,9 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     weights_first = bool(cfg.pop("weights_first"))
     if rope is not None:
         table, rope_hi, head_dim = rope
-        if table.dim() != 3 or table.shape[0] not in (1, M) or table.shape[1:] != (head_dim // 2, 2) \
-                or table.dtype != torch.float32 or not table.is_contiguous() or head_dim % 2 or bn % 2:
-            raise ValueError(f"the rope table must be contiguous fp32 (1 or M={M}, head_dim/2={head_dim // 2}, 2) "
-                             f"with an even head_dim, got {table.dtype} {tuple(table.shape)}, head_dim {head_dim}")
+        check_rope_table(table, M, head_dim, x.device)
+        if bn % 2:
+            raise ValueError(f"RoPE needs an even block_n (pairs never straddle a block), got {bn}")
         srope = 0 if table.shape[0] == 1 else table.stride(0)
     else:
         table, rope_hi, head_dim, srope = x, 0, 2, 0
