@@ -60,6 +60,27 @@ def test_a_sparse_aware_step_starts_from_the_given_weights_and_mixes_the_two_los
     assert got == pytest.approx(want, rel=1e-5)
 
 
+def test_a_split_step_trains_the_first_rows_under_the_policy_and_the_rest_dense(tmp_path):
+    """sparse_mix "split", weight 0.6 of 8 rows: step 0's loss == 5/8 x the policy's cross-entropy on the batch's
+    first 5 rows + 3/8 x dense on the other 3 (a different number from the "sum" mix of every row both ways),
+    and the held-out objective weighs the two losses by those row shares."""
+    tokens, labels = _data()
+    val_tokens, val_labels = _data(16, seed=1)
+    cfg = _cfg(tmp_path / "run", sparse_policy=SPEC, sparse_weight=0.6, sparse_mix="split", eval_every=1,
+               init_from=str(tmp_path / "w.pt"))
+    assert (cfg.sparse_rows, cfg.sparse_share) == (5, 5 / 8)
+    start = _start_weights(cfg, tmp_path / "w.pt")
+    x, y = make_batch(cfg, 0, tokens, labels)
+    with torch.no_grad():
+        want = 5 / 8 * _ce_bits(start, y[:5], x[:5], SPEC) + 3 / 8 * _ce_bits(start, y[5:], x[5:])
+        summed = 0.6 * _ce_bits(start, y, x, SPEC) + 0.4 * _ce_bits(start, y, x)
+    assert abs(want - summed) > 1e-3  # (the test tells the two mixes apart)
+    result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=False)
+    assert result.history["train"][0]["train_bpt"] == pytest.approx(want, rel=1e-5)
+    val = result.history["val"][-1]
+    assert val["val_objective"] == pytest.approx(3 / 8 * val["val_bpt"] + 5 / 8 * val["val_bpt_sparse"], rel=1e-6)
+
+
 def test_held_out_losses_are_reported_both_ways_and_the_best_by_their_mix(tmp_path):
     tokens, labels = _data()
     val_tokens, val_labels = _data(16, seed=1)
@@ -87,7 +108,12 @@ def test_held_out_losses_are_reported_both_ways_and_the_best_by_their_mix(tmp_pa
 def test_bad_sparse_training_settings_are_clear_errors(tmp_path):
     for kw, msg in ((dict(sparse_policy="h2o"), "must be an offset policy"),
                     (dict(sparse_policy="nope"), "sparse_policy: unknown policy 'nope'"),
-                    (dict(sparse_policy=SPEC, sparse_weight=0.0), r"sparse_weight must be in \(0, 1\]")):
+                    (dict(sparse_policy=SPEC, sparse_weight=0.0), r"sparse_weight must be in \(0, 1\]"),
+                    (dict(sparse_policy=SPEC, sparse_mix="rows"), "sparse_mix must be one of sum, split, got 'rows'"),
+                    (dict(sparse_policy=SPEC, sparse_weight=0.97, sparse_mix="split"),
+                     r"0.97 x 8 leaves 8 of 8 rows; choose a sparse_weight that gives each share at least one row"),
+                    (dict(sparse_policy=SPEC, sparse_weight=0.05, sparse_mix="split"), "leaves 0 of 8 rows"),
+                    (dict(sparse_mix="split"), "sparse_mix 'split' needs sparse_policy")):
         with pytest.raises(ValueError, match=msg):
             _cfg(tmp_path / "run", **kw)
     tokens, labels = _data()

@@ -123,8 +123,9 @@ def cmd_train_model(args) -> int:
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=device,
         progress=not args.quiet, init_from=args.init_from, sparse_policy=args.sparse_policy,
-        sparse_weight=args.sparse_weight, sparse_loss=args.sparse_loss, distill_pool=args.distill_pool,
-        distill_cfg_scale=_distill_cfg(args, ds.recipe), distill_divergence=args.distill_divergence,
+        sparse_weight=args.sparse_weight, sparse_loss=args.sparse_loss, sparse_mix=args.sparse_mix,
+        distill_pool=args.distill_pool, distill_cfg_scale=_distill_cfg(args, ds.recipe),
+        distill_divergence=args.distill_divergence,
         **_dropouts(args), **grid,
     )
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
@@ -277,6 +278,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                    help="the sparse share: cross-entropy on the data (default), or on-policy distillation: a KL "
                         "between the dense --init-from weights' and the policy's guided next-token distributions on "
                         "sequences the current weights sample under the policy")
+    g.add_argument("--sparse-mix", choices=("sum", "split"),
+                   help="sum (default): every row both ways, the two losses weighted (two forward passes); split: "
+                        "round(W x batch) rows under the policy, the rest dense (one pass, the same mix on average)")
     g.add_argument("--distill-pool", type=positive_int, metavar="N",
                    help="distill: sequences sampled per refresh of the pool (default 1024; >= the batch size)")
     g.add_argument("--distill-cfg", type=_positive_float, metavar="SCALE",

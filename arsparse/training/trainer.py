@@ -25,6 +25,9 @@ the loss is ``(1 - sparse_weight)`` x the dense cross-entropy plus ``sparse_weig
 cross-entropy with attention restricted to an offset policy's read sets (the masks its ring cache
 reads at decode time), so the model learns to put what it needs where that policy reads. Held-out
 losses are then reported both ways and the best weights are those of the lowest weighted sum.
+``sparse_mix="split"`` computes the same mix at the cost of one forward pass instead of two: the
+first ``round(sparse_weight x batch_size)`` rows of each batch are trained under the policy and the
+rest dense (the shares are then those row counts).
 With ``sparse_loss="distill"`` the sparse share is instead on-policy distillation: a KL divergence
 between the dense ``init_from`` weights' and the policy's guided next-token distributions on
 sequences the current weights sample under the policy (:mod:`arsparse.training.distill`); the dense
@@ -82,6 +85,7 @@ CKPT_FORMAT = "arsparse-train/1"
 LN2 = math.log(2.0)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SPARSE_LOSSES = ("data", "distill")
+SPARSE_MIXES = ("sum", "split")
 
 
 def check_run_fields(cfg, bad) -> None:
@@ -202,6 +206,9 @@ class TrainConfig:
     #: the sparse share's loss: "data" (cross-entropy on the training images) or "distill" (on-policy
     #: distillation from the dense init_from weights: :mod:`arsparse.training.distill`)
     sparse_loss: str = "data"
+    #: how the two shares mix: "sum" (every row both ways, two forward passes) or "split" (each row one way:
+    #: the batch's first round(sparse_weight x batch_size) rows under the policy, the rest dense; one pass)
+    sparse_mix: str = "sum"
     distill_pool: int = 1024  #: sequences sampled per refresh of the distillation pool
     distill_cfg_scale: float = 2.0  #: the guidance the pool is sampled with (and the compared distributions use)
     distill_divergence: str = "reverse"  #: KL(student || teacher) ("reverse") or KL(teacher || student)
@@ -232,6 +239,14 @@ class TrainConfig:
                 bad(str(exc))
         if self.sparse_loss not in SPARSE_LOSSES:
             bad(f"sparse_loss must be one of {', '.join(SPARSE_LOSSES)}, got {self.sparse_loss!r}")
+        if self.sparse_mix not in SPARSE_MIXES:
+            bad(f"sparse_mix must be one of {', '.join(SPARSE_MIXES)}, got {self.sparse_mix!r}")
+        if self.sparse_mix == "split" and self.sparse_policy is None:
+            bad("sparse_mix 'split' needs sparse_policy (what the sparse rows read)")
+        if self.sparse_mix == "split" and not 1 <= self.sparse_rows < self.batch_size + (self.sparse_weight == 1):
+            bad(f"sparse_mix 'split' trains round(sparse_weight x batch_size) rows under the policy and the rest "
+                f"dense: {self.sparse_weight} x {self.batch_size} leaves {self.sparse_rows} of {self.batch_size} rows; "
+                f"choose a sparse_weight that gives each share at least one row (or 1: every row sparse)")
         if self.sparse_loss == "distill":
             if self.sparse_policy is None or self.init_from is None:
                 bad("sparse_loss 'distill' needs sparse_policy (what the student reads) and init_from (the dense "
@@ -254,6 +269,16 @@ class TrainConfig:
                               **{f: getattr(self, f) for f in DROPOUT_FIELDS}, **over)
         except ValueError as exc:
             raise ValueError(f"TrainConfig: bad architecture: {exc}") from None
+
+    @property
+    def sparse_rows(self) -> int:
+        """Rows of a batch trained under the policy (every row with sparse_mix "sum")."""
+        return round(self.sparse_weight * self.batch_size) if self.sparse_mix == "split" else self.batch_size
+
+    @property
+    def sparse_share(self) -> float:
+        """The sparse loss's share of the objective (train and held-out)."""
+        return self.sparse_rows / self.batch_size if self.sparse_mix == "split" else self.sparse_weight
 
     @property
     def image_tokens(self) -> int:
@@ -649,15 +674,16 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
             if backend is None:
                 loss = loss_fn(y, x)
             else:
-                w = cfg.sparse_weight
+                w, n = cfg.sparse_share, cfg.sparse_rows  # (split: rows [:n] sparse, the rest dense)
                 if distiller is None:
-                    sparse = loss_fn(y, x, backend=backend)
+                    sparse = loss_fn(y[:n], x[:n], backend=backend)
                 else:
-                    sparse = distiller.loss(model, xs, ys, backend)
+                    sparse = distiller.loss(model, xs[:n], ys[:n], backend)
                     window_kl.add_(sparse.detach().float())
                 loss = w * sparse
                 if w < 1:
-                    loss = loss + (1 - w) * loss_fn(y, x)
+                    rest = slice(n, None) if cfg.sparse_mix == "split" else slice(None)
+                    loss = loss + (1 - w) * loss_fn(y[rest], x[rest])
         loop.update(loss)
         window_loss.add_(loss.detach().float())
 
@@ -679,7 +705,7 @@ def train_gpt(cfg: TrainConfig, tokens: torch.Tensor, labels: torch.Tensor,
         entry = {"step": loop.step, "val_bpt": dense}
         if backend is not None:
             entry["val_bpt_sparse"] = sparse = evaluate(model, val_tokens, val_labels, cfg.batch_size * 2, bf16, backend)
-            entry["val_objective"] = bpt = (1 - cfg.sparse_weight) * dense + cfg.sparse_weight * sparse
+            entry["val_objective"] = bpt = (1 - cfg.sparse_share) * dense + cfg.sparse_share * sparse
             loop.log(f"step {loop.step}: val {dense:.4f} bits/token dense, {sparse:.4f} under {cfg.sparse_policy} "
                      f"({100 * (sparse / dense - 1):+.1f} %)")
         loop.history["val"].append(dict(entry, time_s=round(loop.train_time, 2)))

@@ -12,9 +12,14 @@
 #   SAMPLES=4000 POLICIES=streaming RHOS=0.18,0.25,0.35 bash docs/eval/fd-infinity.sh sweep fashion
 #   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
-# and fashion trained with diagonal's read set from its first step (issue 5's route past +13-19 % FD; 2-3
-# calls chained on the warm machine, each resuming the last; `prepare fashion` first, as its header says):
-#   SCRATCH=1 TRAIN_S=520 bash docs/models/sparse-finetune.sh run fashion
+# and fashion trained with diagonal's read set from its first step (issue 5's route past +13-19 % FD; session
+# 20's runs, cut short, were 0.4-0.7 % above dense training on held-out NLL). One call trains (4,000 steps,
+# 80 % of each batch's rows under diagonal, the rest dense: a model good both ways; `prepare fashion` first)
+# and returns the weights; the next evaluates them at 4,000 samples (each call may be a fresh machine):
+#   SCRATCH=1 bash docs/models/sparse-finetune.sh run fashion
+#   here: cat tuned.safetensors.xz.* | xz -d > /tmp/scratch.safetensors
+#         INIT=/tmp/scratch.safetensors bash docs/eval/fd-infinity.sh prepare fashion
+#   SAMPLES=4000 bash docs/eval/fd-infinity.sh run fashion   # (dense,diagonal; compare with session 16's rows)
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
