@@ -13,7 +13,7 @@
 #   SAMPLES=3000 POLICIES=diagonal,streaming,lines,h2o,tova,headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
 # and fashion trained with diagonal's read set from its first step (issue 5's route past +13-19 % FD; session
-# 20's runs, cut short, were 0.4-0.7 % above dense training on held-out NLL). One call trains (4,000 steps,
+# 20's runs, cut short, were 0.4-0.7 % above dense training on held-out NLL). One call trains (3,800 steps,
 # 80 % of each batch's rows under diagonal, the rest dense: a model good both ways; `prepare fashion` first)
 # and returns the weights; the next evaluates them at 4,000 samples (each call may be a fresh machine):
 #   SCRATCH=1 bash docs/models/sparse-finetune.sh run fashion

@@ -32,9 +32,9 @@ TRAIN_S=${TRAIN_S:-$([ "${SCRATCH:-0}" = 1 ] && echo 545 || echo 360)}
 DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
 BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers are known: more time to train)
 # SCRATCH=1: no --init-from: a fresh model trained with the policy's read set from its first step, on the
-# recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 4,000: the recipe's
+# recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 3,800: the recipe's
 # held-out loss was best at step 3,000 of 5,000) so that it fits one call (~1,000 images/s on an H200:
-# 510 s), with the sparse share as split rows ($MIX split: one forward pass a step). Its evals do not fit
+# 490 s), with the sparse share as split rows ($MIX split: one forward pass a step). Its evals do not fit
 # the call: it returns the weights (best.safetensors, xz, in chunks) and train_log.json; evaluate them in
 # the next call with `INIT=<the weights> bash docs/eval/fd-infinity.sh prepare fashion` and `... run`.
 # (Resuming across calls through /tmp does not work: on 2026-12-02 three chained calls each found a
@@ -92,7 +92,7 @@ t0=$(date +%s)
 vq=$([ $ds = emoji ] && echo "--vq arsparse/weights/emoji-vq.safetensors" || true)  # (the shipped VQ tokenises the images)
 rm -rf /tmp/ft
 if [ "$SCRATCH" = 1 ]; then  # (the recipe's lr and warm-up)
-  STEPS=${STEPS_SCRATCH:-4000}
+  STEPS=${STEPS_SCRATCH:-3800}
   run_args="--steps $STEPS $([ $STEPS -lt 300 ] && echo --warmup 0 || true)"
 else
   run_args="--init-from /tmp/shipped.safetensors --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 ))"
