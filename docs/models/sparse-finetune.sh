@@ -25,12 +25,6 @@
 # It lists what to park (the other models' weights) so that the tree fits.
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
-# (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
-POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} MIX=${MIX:-$([ "${SCRATCH:-0}" = 1 ] && echo split || echo sum)} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
-NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
-TRAIN_S=${TRAIN_S:-$([ "${SCRATCH:-0}" = 1 ] && echo 545 || echo 360)}
-DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
-BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers are known: more time to train)
 # SCRATCH=1: no --init-from: a fresh model trained with the policy's read set from its first step, on the
 # recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 3,800: the recipe's
 # held-out loss was best at step 3,000 of 5,000) so that it fits one call (~1,000 images/s on an H200:
@@ -40,6 +34,12 @@ BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers ar
 # (Resuming across calls through /tmp does not work: on 2026-12-02 three chained calls each found a
 # fresh machine. A checkpoint with its optimiser state, 210 MB, is too large to carry.)
 SCRATCH=${SCRATCH:-0}
+# (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
+POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} MIX=${MIX:-$([ $SCRATCH = 1 ] && echo split || echo sum)} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
+NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
+TRAIN_S=${TRAIN_S:-$([ $SCRATCH = 1 ] && echo 545 || echo 360)}
+DEVICE=${DEVICE:-cuda} EVAL_ARGS=${EVAL_ARGS:-}  # (more flags for the evals)
+BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers are known: more time to train)
 # (a CPU smoke test: DEVICE=cpu STEPS=4 BATCH=2 EVAL_SAMPLES=8 NLL_IMAGES=4 SAMPLES=2 SEEDS="0 7" EVAL_ARGS="--ref-images 40")
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i
