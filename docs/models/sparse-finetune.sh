@@ -26,9 +26,9 @@
 set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 # SCRATCH=1: no --init-from: a fresh model trained with the policy's read set from its first step, on the
-# recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 3,800: the recipe's
-# held-out loss was best at step 3,000 of 5,000) so that it fits one call (~1,000 images/s on an H200:
-# 490 s), with the sparse share as split rows ($MIX split: one forward pass a step). Its evals do not fit
+# recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 3,400: the recipe's
+# held-out loss was best at step 3,000 of 5,000) so that it fits one call (split at 0.8 ran at 840-920
+# images/s on an H200 on 2026-12-02: 3,595 steps in 545 s; 3,400 leave room for the evals), with the sparse share as split rows ($MIX split: one forward pass a step). Its evals do not fit
 # the call: it returns the weights (best.safetensors, xz, in chunks) and train_log.json; evaluate them in
 # the next call with `INIT=<the weights> bash docs/eval/fd-infinity.sh prepare fashion` and `... run`.
 # (Resuming across calls through /tmp does not work: on 2026-12-02 three chained calls each found a
@@ -92,7 +92,7 @@ t0=$(date +%s)
 vq=$([ $ds = emoji ] && echo "--vq arsparse/weights/emoji-vq.safetensors" || true)  # (the shipped VQ tokenises the images)
 rm -rf /tmp/ft
 if [ "$SCRATCH" = 1 ]; then  # (the recipe's lr and warm-up)
-  STEPS=${STEPS_SCRATCH:-3800}
+  STEPS=${STEPS_SCRATCH:-3400}
   run_args="--steps $STEPS $([ $STEPS -lt 300 ] && echo --warmup 0 || true)"
 else
   run_args="--init-from /tmp/shipped.safetensors --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 ))"
