@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .engine.generator import COMPILE_MODES, Generator
+from .layout import Layout
 from .models.config import GPTConfig, gpt_config
 from .models.gpt import GPT
 
@@ -201,10 +202,39 @@ def _matvec_launch() -> dict:
     return dict(matvec.LAUNCH)
 
 
+def bench_policies(specs: list[str], layout, n_layer: int, n_head: int, match_budget: bool = False) -> list:
+    """``(label, policy)`` for each spec, ``name`` or ``name:key=value,...``.
+
+    With ``match_budget``, every policy with a ``rho`` that its spec leaves unset keeps the most entries
+    that fit in ``diagonal``'s memory (the listed diagonal's settings, else its defaults; see
+    :func:`~arsparse.policies.policy_at_budget`: ``headkv`` pads its tables, so it gets a lower ``rho``),
+    and its label gains the ``rho`` chosen.
+    """
+    from .policies import budget_follows, get, parse_args, policy_at_budget
+
+    parsed = []
+    for spec in specs:
+        name, _, argtext = spec.partition(":")
+        parsed.append((spec, name, parse_args([a for a in argtext.split(",") if a.strip()])))
+    target = None
+    if match_budget:
+        ref = next((args for _, name, args in parsed if name == "diagonal"), {})
+        target = get("diagonal", **ref).budget(layout, n_layer, n_head).kept
+    out = []
+    for spec, name, args in parsed:
+        if target is not None and budget_follows(name, args):
+            policy = policy_at_budget(name, args, target, layout, n_layer, n_head)
+            spec = f"{spec}{',' if ':' in spec else ':'}rho={policy.rho:.4f}"
+        else:
+            policy = get(name, **args)
+        out.append((spec, policy))
+    return out
+
+
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False,
-          streams: int = 1, variants: tuple = ()) -> dict:
+          streams: int = 1, variants: tuple = (), match_budget: bool = False) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
@@ -214,15 +244,17 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     blocks through the Triton matrix-vector kernels (steps of at most 16 rows; see ``Generator``).
     ``variants``: :class:`Variant` s, each timed again for every policy, kernel and batch after the
     run's own settings (rows labelled with the variant; ratios to dense within a variant).
+    ``match_budget``: see :func:`bench_policies`.
     """
     from .engine.throughput import max_batch
-    from .policies import get, parse_args
 
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device, and "
                          f"{'none is available here' if not torch.cuda.is_available() else f'{device} is not one'}")
     cfg = gpt_config(preset, image_tokens=image_tokens)
+    chosen = bench_policies(policies, Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w), cfg.n_layer, cfg.n_head,
+                            match_budget)  # (bad names and budgets fail here, before the model is built)
     gpt = _random_gpt(cfg, device, dtype)
     bw = copy_bandwidth(device)
     rate = matmul_throughput(device, dtype)
@@ -241,9 +273,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
         _add_ratios(rows)
         return dict(meta, rows=rows)
 
-    for variant, spec, kernel in ((v, p, k) for v in (Variant(), *variants) for p in policies for k in kernels):
-        name, _, argtext = spec.partition(":")
-        policy = get(name, **parse_args([a for a in argtext.split(",") if a]))
+    for variant, (spec, policy), kernel in ((v, p, k) for v in (Variant(), *variants) for p in chosen for k in kernels):
         budget = policy.prepare(gpt).budget(gpt.layout, cfg.n_layer, cfg.n_head)
         with _applied(variant):
             gen = Generator(gpt, device=device, dtype=dtype, kernel=kernel, compile=compile, policy=policy,
@@ -419,7 +449,8 @@ def cmd_bench(args) -> int:
     variants = tuple(parse_variant(v) for v in args.variant)
     result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
-                   out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants)
+                   out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants,
+                   match_budget=args.match_budget)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
 
@@ -454,6 +485,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes, or max (throughput mode)")
     b.add_argument("--policies", default="dense",
                    help="semicolon-separated policies with optional args: 'dense;diagonal;h2o:rho=0.14'")
+    b.add_argument("--match-budget", action="store_true",
+                   help="each policy with a rho its spec leaves unset keeps the most entries that fit in diagonal's "
+                        "memory (as arsparse eval --match-budget)")
     b.add_argument("--memory-gb", type=float, help="memory budget for --batch max (default: free GPU memory)")
     b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
     b.add_argument("--cfg-scale", type=float, default=4.0)

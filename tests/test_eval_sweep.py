@@ -13,7 +13,7 @@ from PIL import Image
 from arsparse import policies
 from arsparse.eval import EvalConfig, HeldOut, build_policies
 from arsparse.eval.cli import main as eval_main
-from arsparse.eval.evaluate import policy_at_budget
+from arsparse.policies import policy_at_budget
 from arsparse.eval.forcing import forced_logits
 from arsparse.eval.sweep import check_rhos, crossing, parse_rhos, sweep
 from arsparse.policies.base import dense_entries

@@ -306,6 +306,39 @@ def test_bench_picture_of_the_rows(tmp_path):
         assert im.format == "PNG" and im.size[0] > 1000 and im.size[1] > 200
 
 
+def test_bench_match_budget_gives_each_policy_diagonals_memory():
+    """bench_policies(match_budget=True): a policy with an unset rho keeps the most entries that fit in the
+    listed diagonal's (streaming and the scored policies exactly as many; headkv, which pads its tables,
+    at most as many, and one entry more would not fit); an explicit rho, dense and diagonal are kept
+    as given; labels name the rho chosen. Without it, the specs as written."""
+    import random
+
+    from arsparse.bench import bench_policies
+
+    lay = Layout(random.choice([1, 4]), random.randint(12, 24), random.randint(12, 24))
+    L, H = 3, 4
+    rows = random.randint(2, 4)
+    specs = ["dense", f"diagonal:rows={rows}", "streaming", "h2o", "tova", "lines", "headkv", "h2o:rho=0.5"]
+    got = bench_policies(specs, lay, L, H, match_budget=True)
+    target = policies.get("diagonal", rows=rows).budget(lay, L, H).kept
+    assert [label.split(":")[0] for label, _ in got] == [s.split(":")[0] for s in specs]
+    assert got[0] == ("dense", policies.get("dense")) and got[1][1] == policies.get("diagonal", rows=rows)
+    for label, pol in got[2:6]:
+        assert pol.budget(lay, L, H).kept == target and label.endswith(f"rho={pol.rho:.4f}")
+    label, headkv = got[6]
+    dense = lay.prefix_len + lay.image_tokens - 1  # (the prompt and every image token but the last)
+    one_more = policies.get("headkv", rho=(round(headkv.rho * dense - 0.5) + 1.5) / dense)
+    assert headkv.budget(lay, L, H).kept <= target < one_more.budget(lay, L, H).kept
+    assert headkv.rho < got[2][1].rho  # (its padding costs it uniform capacity)
+    assert got[7] == ("h2o:rho=0.5", policies.get("h2o", rho=0.5))
+    # diagonal's defaults are the reference when none is listed; without matching, the specs as written
+    default = policies.get("diagonal").budget(lay, L, H).kept
+    assert bench_policies(["streaming"], lay, L, H, True)[0][1].budget(lay, L, H).kept == default
+    assert bench_policies(specs, lay, L, H) == [(s, policies.resolve(s)) for s in specs]
+    with pytest.raises(PolicyError, match="unknown policy 'h3o'"):
+        bench_policies(["dense", "h3o"], lay, L, H, True)
+
+
 def test_bench_variants_parse_apply_and_restore():
     pytest.importorskip("triton")
     from arsparse.bench import _applied, markdown_table, parse_variant

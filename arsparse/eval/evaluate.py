@@ -27,7 +27,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from .forcing import forced_logits
 from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance, subset_sizes
 from .kernel_distance import kernel_distances
 
-__all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "policy_at_budget", "prepare_bench", "sampled_quality",
+__all__ = ["EvalConfig", "HeldOut", "Bench", "build_policies", "prepare_bench", "sampled_quality",
            "evaluate", "teacher_forced_metrics", "write_report", "kernel_table",
            "model_dataset", "emoji_heldout", "fashion_heldout", "DEFAULT_POLICIES", "METRICS"]
 
@@ -187,61 +187,12 @@ def emoji_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
 
 
 # ---------------------------------------------------------------------------------------------
-def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer: int = 1, n_head: int = 1):
-    """The policy ``name`` (with ``params``) whose ``rho`` gives the most kept entries that do not exceed
-    ``target_kept`` (entries per sequence, layer and head, prompt included).
-
-    The policy's ``rho`` first asks for exactly ``target_kept`` (a half entry above, so its integer
-    rounding lands there); that is the answer for every policy that keeps what it is asked for (the
-    scored ones, ``streaming``) and for ``diagonal``, whose ``rho`` picks the most rows that fit.
-    A policy that keeps more than asked (``headkv``/``ssh`` pad their slot table for broad heads)
-    gets, by bisection, the largest ``rho`` whose kept fits.
-
-    Raises
-    ------
-    PolicyError
-        The policy has no ``rho`` parameter, or cannot keep as few as ``target_kept`` entries.
-    """
-    from .. import policies as P
-    from ..policies.base import dense_entries
-
-    if name not in P.names():
-        raise P.PolicyError(f"unknown policy {name!r}; choose one of {', '.join(P.names())}")
-    if "rho" not in {f.name for f in fields(P._REGISTRY[name])}:
-        raise P.PolicyError(f"{name} has no rho parameter: its budget cannot be set")
-    dense = dense_entries(layout)
-
-    def build(k):  # the policy asked for k kept entries, and what it keeps
-        pol = P.get(name, **{**params, "rho": min(1.0, (k + 0.5) / dense)})
-        return pol, pol.budget(layout, n_layer, n_head).kept
-
-    pol, kept = build(target_kept)
-    if kept <= target_kept:
-        return pol
-    best, lo, hi = None, 1, target_kept - 1
-    while lo <= hi:  # the k that fit form an interval [smallest feasible, largest that fits]: find its top
-        mid = (lo + hi) // 2
-        try:
-            cand, kept = build(mid)
-        except P.PolicyError:
-            lo = mid + 1
-            continue
-        if kept <= target_kept:
-            best, lo = cand, mid + 1
-        else:
-            hi = mid - 1
-    if best is None:
-        raise P.PolicyError(f"{name} cannot keep as few as {target_kept} of {dense} entries "
-                            f"(rho {target_kept / dense:.3f}) with {params or 'its default parameters'}")
-    return best
-
-
 def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layout, n_layer: int = 1,
                    n_head: int = 1) -> tuple[dict[str, Any], dict]:
     """Policy objects by name, and a note on budget matching.
 
     With ``match_budget``, every policy with a ``rho`` field other than ``diagonal`` gets the most
-    kept entries that do not exceed the diagonal's (:func:`policy_at_budget`), unless ``rho`` is
+    kept entries that do not exceed the diagonal's (:func:`~arsparse.policies.policy_at_budget`), unless ``rho`` is
     given explicitly.
     """
     from .. import policies as P
@@ -256,13 +207,10 @@ def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layo
         match = {"reference": "diagonal", "params": diag.params(), "kept": b.kept, "dense": b.dense, "rho": b.rho}
     for name in names:
         params = dict(policy_args.get(name, {}))
-        if target is not None and name not in ("dense", "diagonal") and "rho" not in params:
-            if name not in P.names():
-                raise P.PolicyError(f"unknown policy {name!r}; choose one of {', '.join(P.names())}")
-            if "rho" in {f.name for f in fields(P._REGISTRY[name])}:
-                built[name] = policy_at_budget(name, params, target.kept, layout, n_layer, n_head)
-                continue
-        built[name] = P.get(name, **params)
+        if target is not None and P.budget_follows(name, params):
+            built[name] = P.policy_at_budget(name, params, target.kept, layout, n_layer, n_head)
+        else:
+            built[name] = P.get(name, **params)
     return built, match
 
 

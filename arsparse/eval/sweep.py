@@ -10,7 +10,7 @@ sequence, layer and head) on the same held-out images, conditions and seeds:
   kernel distances of the same images; with ``fd_infinity``, each Fréchet distance extrapolated to
   infinitely many samples too, whose relative gaps the finite-sample bias does not compress).
 
-A budget is met by :func:`~arsparse.eval.evaluate.policy_at_budget`: the most kept entries that do
+A budget is met by :func:`~arsparse.policies.policy_at_budget`: the most kept entries that do
 not exceed ``floor(rho * dense)``. Policies keep whole units (``diagonal`` whole image rows), so
 the *actual* kept / dense of each row is recorded and is what the crossings and the plot use.
 
@@ -29,7 +29,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .evaluate import (EvalConfig, HeldOut, note_infinity, policy_at_budget, prepare_bench, run_info,
+from ..policies import policy_at_budget
+from .evaluate import (EvalConfig, HeldOut, note_infinity, prepare_bench, run_info,
                        sampled_quality, teacher_forced_metrics)
 
 __all__ = ["DEFAULT_RHOS", "SWEEP_METRICS", "check_rhos", "parse_rhos", "crossing", "rel_key", "sweep", "sweep_markdown",

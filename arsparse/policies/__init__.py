@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .base import Budget, Policy, PolicyError
+from .base import Budget, Policy, PolicyError, dense_entries
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -77,6 +77,62 @@ def parse_args(pairs: list[str]) -> dict:
     return out
 
 
+def budget_follows(name: str, params: dict) -> bool:
+    """Whether ``name`` takes a matched budget: it has a ``rho`` that ``params`` leave unset, and it is
+    neither ``dense`` nor the reference ``diagonal``. Unknown names raise :class:`PolicyError`."""
+    if name not in _REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return name not in ("dense", "diagonal") and "rho" not in params and \
+        "rho" in {f.name for f in fields(_REGISTRY[name])}
+
+
+def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer: int = 1, n_head: int = 1):
+    """The policy ``name`` (with ``params``) whose ``rho`` gives the most kept entries that do not exceed
+    ``target_kept`` (entries per sequence, layer and head, prompt included).
+
+    The policy's ``rho`` first asks for exactly ``target_kept`` (a half entry above, so its integer
+    rounding lands there); that is the answer for every policy that keeps what it is asked for (the
+    scored ones, ``streaming``) and for ``diagonal``, whose ``rho`` picks the most rows that fit.
+    A policy that keeps more than asked (``headkv``/``ssh`` pad their slot table for broad heads)
+    gets, by bisection, the largest ``rho`` whose kept fits.
+
+    Raises
+    ------
+    PolicyError
+        The policy has no ``rho`` parameter, or cannot keep as few as ``target_kept`` entries.
+    """
+    if name not in names():
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(names())}")
+    if "rho" not in {f.name for f in fields(_REGISTRY[name])}:
+        raise PolicyError(f"{name} has no rho parameter: its budget cannot be set")
+    dense = dense_entries(layout)
+
+    def build(k):  # the policy asked for k kept entries, and what it keeps
+        pol = get(name, **{**params, "rho": min(1.0, (k + 0.5) / dense)})
+        return pol, pol.budget(layout, n_layer, n_head).kept
+
+    pol, kept = build(target_kept)
+    if kept <= target_kept:
+        return pol
+    best, lo, hi = None, 1, target_kept - 1
+    while lo <= hi:  # the k that fit form an interval [smallest feasible, largest that fits]: find its top
+        mid = (lo + hi) // 2
+        try:
+            cand, kept = build(mid)
+        except PolicyError:
+            lo = mid + 1
+            continue
+        if kept <= target_kept:
+            best, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        raise PolicyError(f"{name} cannot keep as few as {target_kept} of {dense} entries "
+                          f"(rho {target_kept / dense:.3f}) with {params or 'its default parameters'}")
+    return best
+
+
 from . import registry as _registry  # noqa: E402,F401  (registers the built-in policies)
 
-__all__ = ["Budget", "Policy", "PolicyError", "get", "names", "parse_args", "register_policy", "resolve"]
+__all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "get", "names", "parse_args", "policy_at_budget",
+           "register_policy", "resolve"]
