@@ -27,8 +27,9 @@ set -euo pipefail
 what=${1:?prepare|run} ds=${2:-fashion}
 # SCRATCH=1: no --init-from: a fresh model trained with the policy's read set from its first step, on the
 # recipe's schedule (lr 1e-3, 300 warm-up steps) shortened to STEPS_SCRATCH (default 3,400: the recipe's
-# held-out loss was best at step 3,000 of 5,000) so that it fits one call (split at 0.8 ran at 840-920
-# images/s on an H200 on 2026-12-02: 3,595 steps in 545 s; 3,400 leave room for the evals), with the sparse share as split rows ($MIX split: one forward pass a step). Its evals do not fit
+# held-out loss was best at step 3,000 of 5,000) so that its schedule ends inside one call (at a sparse
+# share of 0.8 it ran at 840-920 images/s on an H200 on 2026-12-02: 3,595 steps in 545 s), with the
+# sparse share as split rows ($MIX split: each row trained one way, no second pass). Its evals do not fit
 # the call: it returns the weights (best.safetensors, xz, in chunks) and train_log.json; evaluate them in
 # the next call with `INIT=<the weights> bash docs/eval/fd-infinity.sh prepare fashion` and `... run`.
 # (Resuming across calls through /tmp does not work: on 2026-12-02 three chained calls each found a
@@ -112,13 +113,16 @@ fi
 # Fréchet distances move between sets, BENCHMARKS), the shipped ones on the first
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 first=${SEEDS%% *}
+# (a POLICY with settings, e.g. diagonal:remainder=true, reaches the eval as its name and --policy-arg s)
+pname=${POLICY%%:*} pargs=()
+if [[ $POLICY == *:* ]]; then IFS=, read -ra kvs <<< "${POLICY#*:}"; for kv in "${kvs[@]}"; do pargs+=(--policy-arg "$pname:$kv"); done; fi
 for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && echo shipped-s$first); do
   which=${run%-s*} seed=${run##*-s}
   ckpt="--gpt-ckpt $([ $which = tuned ] && echo $tuned || echo /tmp/shipped.safetensors)"  # (shipped: the starting weights)
-  $PY -m arsparse.cli eval --model $model $ckpt --policies "$POLICY" --nll-images $NLL_IMAGES --seed $seed \
+  $PY -m arsparse.cli eval --model $model $ckpt --policies "$pname" "${pargs[@]}" --nll-images $NLL_IMAGES --seed $seed \
     --num-samples $SAMPLES $mob $EVAL_ARGS --dtype fp32 --device $DEVICE --quiet --out /tmp/ev-$run > /tmp/eval-$run.txt 2>&1 || true
   cp /tmp/ev-$run/eval.json $OUT/eval-$run.json 2>/dev/null
-  echo "== $run"; grep -E "^\| .(dense|$POLICY)" /tmp/eval-$run.txt || tail -5 /tmp/eval-$run.txt
+  echo "== $run"; grep -E "^\| .(dense|$pname)" /tmp/eval-$run.txt || tail -5 /tmp/eval-$run.txt
 done
 xz -T0 -6 -c $tuned | split -b 15M -d -a 1 - $OUT/tuned.safetensors.xz.
 ls -la $OUT  # (a call returns at most 8 files)
