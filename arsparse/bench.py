@@ -210,12 +210,9 @@ def bench_policies(specs: list[str], layout, n_layer: int, n_head: int, match_bu
     :func:`~arsparse.policies.policy_at_budget`: ``headkv`` pads its tables, so it gets a lower ``rho``),
     and its label gains the ``rho`` chosen.
     """
-    from .policies import budget_follows, get, parse_args, policy_at_budget
+    from .policies import budget_follows, get, parse_spec, policy_at_budget
 
-    parsed = []
-    for spec in specs:
-        name, _, argtext = spec.partition(":")
-        parsed.append((spec, name, parse_args([a for a in argtext.split(",") if a.strip()])))
+    parsed = [(spec, *parse_spec(spec)) for spec in specs]
     target = None
     if match_budget:
         ref = next((args for _, name, args in parsed if name == "diagonal"), {})

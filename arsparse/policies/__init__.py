@@ -48,8 +48,8 @@ def resolve(policy) -> Policy | None:
     if policy is None or isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        name, _, args = policy.partition(":")
-        return get(name, **parse_args([a for a in args.split(",") if a.strip()]))
+        name, args = parse_spec(policy)
+        return get(name, **args)
     raise PolicyError(f"policy must be a name or a Policy object, got {type(policy).__name__}")
 
 
@@ -77,13 +77,22 @@ def parse_args(pairs: list[str]) -> dict:
     return out
 
 
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"diagonal:rows=2,remainder=1"`` -> ``("diagonal", {"rows": 2, "remainder": 1})``."""
+    name, _, args = spec.partition(":")
+    return name, parse_args([a for a in args.split(",") if a.strip()])
+
+
+def _has_rho(name: str) -> bool:
+    if name not in _REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return "rho" in {f.name for f in fields(_REGISTRY[name])}
+
+
 def budget_follows(name: str, params: dict) -> bool:
     """Whether ``name`` takes a matched budget: it has a ``rho`` that ``params`` leave unset, and it is
     neither ``dense`` nor the reference ``diagonal``. Unknown names raise :class:`PolicyError`."""
-    if name not in _REGISTRY:
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(_REGISTRY)}")
-    return name not in ("dense", "diagonal") and "rho" not in params and \
-        "rho" in {f.name for f in fields(_REGISTRY[name])}
+    return _has_rho(name) and name not in ("dense", "diagonal") and "rho" not in params
 
 
 def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer: int = 1, n_head: int = 1):
@@ -101,9 +110,7 @@ def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer:
     PolicyError
         The policy has no ``rho`` parameter, or cannot keep as few as ``target_kept`` entries.
     """
-    if name not in names():
-        raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(names())}")
-    if "rho" not in {f.name for f in fields(_REGISTRY[name])}:
+    if not _has_rho(name):
         raise PolicyError(f"{name} has no rho parameter: its budget cannot be set")
     dense = dense_entries(layout)
 
@@ -134,5 +141,5 @@ def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer:
 
 from . import registry as _registry  # noqa: E402,F401  (registers the built-in policies)
 
-__all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "get", "names", "parse_args", "policy_at_budget",
+__all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "get", "names", "parse_args", "parse_spec", "policy_at_budget",
            "register_policy", "resolve"]
