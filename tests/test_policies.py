@@ -342,23 +342,26 @@ def test_bench_match_budget_gives_each_policy_diagonals_memory():
 def test_bench_variants_parse_apply_and_restore():
     pytest.importorskip("triton")
     from arsparse.bench import _applied, markdown_table, parse_variant
-    from arsparse.kernels.triton import _pdl, decode, matvec, ring
+    from arsparse.kernels.triton import _pdl, decode, matvec, ring, slots
     from arsparse.models import gpt
 
     def settings():
-        return dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
+        return dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN, dict(slots.LAUNCH)
 
     flip, w13, pre = 1 - _pdl.ENABLED, 1 - int(gpt.MERGE_FFN), 1 - decode.LAUNCH["prefetch"]
     v = parse_variant(f" ring.rows_per_program=2, ring.late_cast=1,ring.heads_first=1,streams=2,matvec.weights_first=0,"
-                      f"pdl={flip},w13={w13},dense.prefetch={pre}, dense.block_n=32")  # (not the defaults)
+                      f"pdl={flip},w13={w13},dense.prefetch={pre}, dense.block_n=32,slots.block_n=128,"
+                      f"slots.late_cast={1 - slots.LAUNCH['late_cast']}")  # (not the defaults)
     assert (v.streams, v.pdl, v.w13) == (2, flip, w13)
     assert (v.ring, v.matvec) == (dict(rows_per_program=2, late_cast=True, heads_first=True), dict(weights_first=0))
     assert v.dense == dict(prefetch=pre, block_n=32)
+    assert v.slots == dict(block_n=128, late_cast=1 - slots.LAUNCH["late_cast"])
     before = settings()
     with _applied(v):
         assert ring.LAUNCH == dict(before[0], rows_per_program=2, late_cast=True, heads_first=True)
         assert matvec.LAUNCH == dict(before[1], weights_first=0) and _pdl.ENABLED == flip
         assert decode.LAUNCH == dict(before[2], prefetch=pre, block_n=32) and gpt.MERGE_FFN == bool(w13)
+        assert slots.LAUNCH == dict(before[5], **v.slots)
         assert _pdl.pdl_args(torch.device("cpu")) == dict(PDL=False, launch_pdl=False)  # (only on CUDA)
     assert settings() == before
     for spec, msg in (("streams=3", "streams must be 1 or 2"), ("pdl=2", "pdl, w13 0 or 1"),
@@ -366,6 +369,7 @@ def test_bench_variants_parse_apply_and_restore():
                       ("dense.block_n=48", "block_n=48 is invalid"), ("dense.dot=x", "dense variant settings take integers"),
                       ("warps=2", "unknown variant setting 'warps=2'"),
                       ("ring.num_warps=3", "num_warps=3 is invalid"), ("matvec.weights_first=x", "take integers"),
+                      ("slots.block_n=20", "block_n=20 is invalid"), ("slots.late_cast=3", "0 or 1"),
                       ("streams", "KEY=VALUE pairs")):
         with pytest.raises(ValueError, match=msg):
             parse_variant(spec)
@@ -408,6 +412,44 @@ def test_scored_cache_bookkeeping_traced_equals_eager(name):
         outs.append((torch.stack(logits, 1), run.cache.spos.clone()))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[1][1], outs[0][1])
+
+
+def test_scored_cache_bookkeeping_compiles_once_across_a_graph_break(monkeypatch):
+    """An eviction that breaks the compiled graph (HeadKV's Triton kernels on CUDA) compiles the
+    bookkeeping a fixed number of times, not once per decode step (which had hit dynamo's
+    recompile limit and left the bookkeeping eager: dozens of small kernels a layer). torch 2.11
+    (the GPU image's) recompiled every step while a bound ``spos.masked_fill_`` was held across the
+    break; 2.13 does not, so this fails only on the older torch (run there by docs/bench/next-gpu-run.sh a)."""
+    from functools import partial
+
+    from arsparse.policies.headwise import HeadKVPolicy
+
+    def breaking_evict(self, *args):
+        torch._dynamo.graph_break()
+        return real_evict(self, *args)
+
+    real_evict = HeadKVPolicy.evict
+    monkeypatch.setattr(HeadKVPolicy, "evict", breaking_evict)
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts what dynamo compiles
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    gpt = random_gpt("c2i", seed=int(torch.randint(0, 2**31, ())), n_kv_head=2)
+    pol = policies.get("headkv", rho=0.7).prepare(gpt)
+    run = _Runner(gpt, _Plan(2, False, 0, False), torch.device("cpu"), False, policy=pol)
+    run.cache.fuse(partial(torch.compile, backend=backend, dynamic=False))
+    counts = []
+    with torch.no_grad():
+        run.prefill_logits(random_cond(gpt, 2, seed=3))
+        for t in range(12):
+            run.cur.fill_(t % gpt.config.vocab_size)
+            run.step_logits()
+            counts.append(len(graphs))
+    torch._dynamo.reset()
+    assert counts[0] > 0 and counts[-1] == counts[1], counts
 
 
 def test_scored_cache_write_compiled_in_place():

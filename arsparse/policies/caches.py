@@ -220,8 +220,8 @@ class SlotKVCache(_PromptCache):
             from ..kernels.triton import slot_decode_attention, slots
             from ..kernels.triton.decode import choose_splits
 
-            self._attend_slots = partial(slot_decode_attention,
-                                         num_splits=choose_splits(rows, Hkv, C, torch.device(device), tile=slots.BLOCK_N))
+            splits = choose_splits(rows, Hkv, C, torch.device(device), tile=slots.LAUNCH["block_n"])
+            self._attend_slots = partial(slot_decode_attention, num_splits=splits)
         else:
             self._attend_slots = slot_decode_attention_ref
 
@@ -277,4 +277,7 @@ class SlotKVCache(_PromptCache):
             cap.copy_(new_cap)
         evictable = (spos >= 0) & ~pol.protected(spos, self.pos, lay)
         excess = (spos >= 0).sum(-1, keepdim=True) - cap[..., None]  # (B, Hkv, 1)
-        spos.masked_fill_(pol.evict(score, spos, evictable, excess, stats, lay), -1)
+        # (the mask first: HeadKV's Triton eviction breaks the compiled graph, and a bound
+        # ``spos.masked_fill_`` held across that break made every step recompile, then run eagerly)
+        free = pol.evict(score, spos, evictable, excess, stats, lay)  # (B, Hkv, C)
+        spos.masked_fill_(free, -1)
