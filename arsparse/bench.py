@@ -63,17 +63,18 @@ class Variant:
     ring: dict = field(default_factory=dict)  # ring kernel LAUNCH keys
     dense: dict = field(default_factory=dict)  # dense split kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
+    slots: dict = field(default_factory=dict)  # slot-table kernel (scored policies) LAUNCH keys
 
 
 _SWITCHES = ("pdl", "w13")  # (the variant settings that are 0 or 1)
 
 
 def parse_variant(spec: str) -> Variant:
-    """``"streams=2,pdl=1,ring.rows_per_program=2,matvec.weights_first=0,dense.prefetch=1"`` -> a checked
-    Variant."""
-    from .kernels.triton import decode, matvec, ring
+    """``"streams=2,pdl=1,ring.rows_per_program=2,matvec.weights_first=0,dense.prefetch=1,slots.block_n=128"``
+    -> a checked Variant."""
+    from .kernels.triton import decode, matvec, ring, slots
 
-    kw, given = {}, {"ring": {}, "matvec": {}, "dense": {}}  # given: kernel -> {key: value text}
+    kw, given = {}, {"ring": {}, "matvec": {}, "dense": {}, "slots": {}}  # given: kernel -> {key: value text}
     for item in filter(None, (t.strip() for t in spec.split(","))):
         key, sep, value = (t.strip() for t in item.partition("="))
         kernel, dot, name = key.partition(".")
@@ -87,13 +88,14 @@ def parse_variant(spec: str) -> Variant:
             raise ValueError(f"unknown variant setting {item!r}: allowed streams=1|2, "
                              f"{', '.join(k + '=0|1' for k in _SWITCHES)}, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
-                             f"({', '.join(sorted(matvec.LAUNCH))}), dense.KEY=INT ({', '.join(sorted(decode.LAUNCH))})")
+                             f"({', '.join(sorted(matvec.LAUNCH))}), dense.KEY=INT ({', '.join(sorted(decode.LAUNCH))}), "
+                             f"slots.KEY=INT ({', '.join(sorted(slots.LAUNCH))})")
     if kw.get("streams", 1) not in (1, 2) or any(kw.get(k, 0) not in (0, 1) for k in _SWITCHES):
         raise ValueError(f"variant streams must be 1 or 2, {', '.join(_SWITCHES)} 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
-    for name, module in (("matvec", matvec), ("dense", decode)):
+    for name, module in (("matvec", matvec), ("dense", decode), ("slots", slots)):
         if given[name]:
             if not all(v.isdigit() for v in given[name].values()):
                 raise ValueError(f"{name} variant settings take integers, got {given[name]}")
@@ -105,12 +107,12 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .kernels.triton import _pdl, decode, matvec, ring
+    from .kernels.triton import _pdl, decode, matvec, ring, slots
     from .models import gpt
 
-    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), dict(slots.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
-    decode.LAUNCH = {**decode.LAUNCH, **variant.dense}
+    decode.LAUNCH, slots.LAUNCH = {**decode.LAUNCH, **variant.dense}, {**slots.LAUNCH, **variant.slots}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
     if variant.w13 is not None:
@@ -118,7 +120,7 @@ def _applied(variant: Variant):
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
+        ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, slots.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
 
 
 def _median_seconds(run, reps: int = 10) -> float:
@@ -512,6 +514,7 @@ def add_bench_parser(sub) -> None:
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
                         "kernel: block_n, small_block_n, num_warps, num_stages, dot, small_dot and prefetch 0|1), "
+                        "slots.KEY (the scored policies' slot kernel: block_n, late_cast 0|1, num_warps, num_stages), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
     b.add_argument("--out", help="write the JSON here, and beside it a picture of the rows (.png)")

@@ -1,5 +1,6 @@
 """The slot-table (scored policies) Triton kernel against the PyTorch reference, on the CPU through
 the Triton interpreter."""
+import json
 import os
 
 import pytest
@@ -32,6 +33,24 @@ def test_slot_kernel_matches_reference(poisoned_empty, B, H, Hkv, P, C, D, split
     torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=atol, rtol=atol)
     torch.testing.assert_close(w.cpu(), want_w, atol=2e-6, rtol=1e-4)
     assert (w[0, 0] == 0).all()  # the all-free head puts all its weight on the prompt
+
+
+@pytest.mark.parametrize("launch", [dict(block_n=128, late_cast=1), dict(block_n=16, late_cast=1, num_warps=4),
+                                    dict(block_n=32, late_cast=0, num_stages=2)])
+def test_slot_kernel_launch_settings_match_reference(poisoned_empty, monkeypatch, launch):
+    """Each tile size (one block for the whole table, several) and the late cast (bf16 tiles promoted
+    in the products) gives the reference's output and weights; G=2, a prompt of 3, bf16."""
+    from arsparse.kernels.triton import slots
+
+    monkeypatch.setattr(slots, "LAUNCH", slots.parse_launch(json.dumps(launch)))
+    seed = int(torch.randint(0, 2**31, ()))
+    inputs, (want_out, want_w) = random_slot_tables(3, 4, 2, 3, 83, 64, torch.bfloat16, seed=seed, device=DEVICE)
+    out, w = slot_decode_attention(*inputs)
+    torch.testing.assert_close(out.cpu().float(), want_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(w.cpu(), want_w, atol=2e-6, rtol=1e-4)
+    for bad, msg in ((dict(block_n=48), "power of 2 >= 16"), (dict(late_cast=2), "0 or 1"), (dict(tile=8), "keys from")):
+        with pytest.raises(ValueError, match=msg):
+            slots.parse_launch(json.dumps(bad))
 
 
 def test_slot_kernel_strided_views_and_empty_heads(poisoned_empty):

@@ -4,7 +4,8 @@
 #   bash docs/bench/kernel-sweep.sh [dense,ring,slots]   -> a table of us/call and GB/s (the kernels
 #   named, default all; one at a time keeps a call short), JSON in $OUT/kernel_sweep_<kernels>_<rows>.json;
 #   ring also writes its best setting of the engine's kernel to $OUT/ring_best.txt (the best three
-#   to ring_top.txt), for `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call
+#   to ring_top.txt), for `arsparse bench --ring-launch $(cat $OUT/ring_best.txt) ...` in the same call;
+#   slots its best to $OUT/slots_best.txt, for `arsparse bench --variant $(cat $OUT/slots_best.txt) ...`
 # ROWS=2 (environment) times batch 1 with guidance instead of 512 rows (batch 256).
 # The dense and ring kernels write the step's K/V themselves (fused); "writes" times the separate
 # index_copy_ launches the unfused step needed (2 per layer dense, 4 ring), for comparison with the
@@ -129,19 +130,26 @@ def sweep_ring(rows):
           f"{flag(best)} (the fastest three in $OUT/ring_top.txt)")
 
 def sweep_slots(rows):
-    """83 kept + 1 spare, ~5% free."""
+    """83 kept + 1 spare, ~5% free: the split pass by block_n, late_cast, num_warps and num_stages (the
+    combine pass at the engine's setting; run 4 swept its warps)."""
     C = 84
     pk, ck, cv = r(B, H, 1, D), r(B, H, C, D), r(B, H, C, D)
     spos = torch.randint(2, S, (B, H, C), device=dev, generator=g)
     spos[torch.rand(B, H, C, device=dev, generator=g) < 0.05] = -1
     nbytes = B * H * (1 + C) * D * 2 * 2
-    engine = (dict(slots.SPLIT_LAUNCH), dict(slots.COMBINE_LAUNCH))
-    for nw, ns, cw in itertools.product((1, 2, 4, 8), (2, 3), (1, 2, 4, 8)):
-        slots.SPLIT_LAUNCH, slots.COMBINE_LAUNCH = dict(num_warps=nw, num_stages=ns), dict(num_warps=cw)
+    engine = dict(slots.LAUNCH)
+    want = slot_decode_attention(q, pk, pk, ck, cv, spos)[0].float()  # every setting must agree
+    for bn, lc, nw, ns in itertools.product((32, 64, 128), (0, 1), (1, 2, 4, 8), (2, 3)):
+        slots.LAUNCH = dict(block_n=bn, late_cast=lc, num_warps=nw, num_stages=ns)
+        ok = bool(torch.allclose(slot_decode_attention(q, pk, pk, ck, cv, spos)[0].float(), want, atol=1e-2, rtol=1e-2))
         us = timeit(lambda: slot_decode_attention(q, pk, pk, ck, cv, spos))
-        rows.append(dict(kernel="slots", num_warps=nw, num_stages=ns, combine_warps=cw, us=us, gb_s=nbytes / us / 1e3))
-    slots.SPLIT_LAUNCH, slots.COMBINE_LAUNCH = engine
-    report(rows, "slots", dict(**engine[0], combine_warps=engine[1]["num_warps"]))
+        rows.append(dict(kernel="slots", **slots.LAUNCH, us=us, gb_s=nbytes / us / 1e3, agrees=ok))
+    slots.LAUNCH = engine
+    report(rows, "slots", engine)
+    bad = [x for x in rows if x["kernel"] == "slots" and not x["agrees"]]
+    print("slots: settings that disagree with the engine's output:", bad or "none")
+    best = min((x for x in rows if x["kernel"] == "slots" and x["agrees"]), key=lambda x: x["us"])
+    open(f"{os.environ['OUT']}/slots_best.txt", "w").write(",".join(f"slots.{k}={best[k]}" for k in engine) + "\n")
 
 rows = []
 parts = os.environ["PARTS"].split(",")

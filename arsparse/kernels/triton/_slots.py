@@ -52,10 +52,12 @@ def slots_split_kernel(
     sq_b, sq_h, sp_b, sp_h, sp_s, sk_b, sk_h, sk_s, ss_b, ss_h, sl_b, sl_h, so_b, so_h, so_s, sm_b, sm_h,
     P, C, chunk, scale, D,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr,
+    LATE_CAST: tl.constexpr,
 ):
     """One (row, kv head, split): the G query heads of the group over slots [start, start + chunk)
     (and the prompt, for split 0: all of it, or with ``HAS_SPAN`` only SPAN[b] = [lo, hi), the
-    caption's real tokens). Free slots (position -1) are neither read nor counted."""
+    caption's real tokens). Free slots (position -1) are neither read nor counted. ``LATE_CAST``: the
+    K/V tiles stay in the cache's dtype (fewer registers), promoted to fp32 in the products."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
     sp = tl.program_id(2)
@@ -88,8 +90,10 @@ def slots_split_kernel(
         n = n0 + offs_n
         valid = n < p_end
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(pk_base + n[:, None] * sp_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(pv_base + n[:, None] * sp_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(pk_base + n[:, None] * sp_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pv_base + n[:, None] * sp_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not LATE_CAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         m, l, acc, s = _online_block(q, k, v, valid, m, l, acc, BLOCK_G)
 
     # this split's slots; every slot's logit is stored for the weights pass
@@ -102,8 +106,10 @@ def slots_split_kernel(
         spos = tl.load(SPOS + b * ss_b + hk * ss_h + n, mask=inside, other=-1)
         valid = spos >= 0
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not LATE_CAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         m, l, acc, s = _online_block(q, k, v, valid, m, l, acc, BLOCK_G)
         tl.store(s_base + n[None, :], s, mask=gmask[:, None] & inside[None, :])
 

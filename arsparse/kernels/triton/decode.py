@@ -6,7 +6,7 @@ import triton
 
 from ._decode import combine_kernel, decode_split_kernel
 from ._pdl import pdl_args
-from .settings import json_settings
+from .settings import parse_tile_launch
 
 #: Settings of the split kernel (chosen by sweeps on an H200, BENCHMARKS.md). When the (row, kv head)
 #: pairs fill the GPU: keys per tile ``block_n`` (run 14, 128 -> 64: dense at batch 256 9.66 -> 9.27 ms per
@@ -25,19 +25,7 @@ def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
     powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
     --variant dense.KEY=VALUE``."""
-    given = json_settings(text, LAUNCH, "dense launch")
-    for k, v in given.items():
-        if k in ("dot", "small_dot", "prefetch"):
-            ok, allowed = type(v) is int and v in (0, 1), "0 or 1"
-        elif k == "num_stages":
-            ok, allowed = type(v) is int and v >= 1, "an int >= 1"
-        elif k == "num_warps":
-            ok, allowed = v in (1, 2, 4, 8, 16) and type(v) is int, "1, 2, 4, 8 or 16"
-        else:
-            ok, allowed = type(v) is int and v >= 16 and not v & (v - 1), "a power of 2 >= 16"
-        if not ok:
-            raise ValueError(f"dense launch setting {k}={v!r} is invalid: must be {allowed}")
-    return dict(LAUNCH, **given)
+    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"))
 
 
 def sm_count(device: torch.device) -> int:

@@ -6,12 +6,20 @@ import triton
 
 from ._slots import slots_combine_kernel, slots_split_kernel
 from .decode import check_offsets_fit, check_prompt_span, choose_splits
+from .settings import parse_tile_launch
 
-BLOCK_N = 64  # slots per block of the split pass
 BLOCK_C = 64  # slots per block of the weights pass
-#: Launch options of the two passes (chosen by a sweep on an H200, see BENCHMARKS.md).
-SPLIT_LAUNCH = dict(num_warps=2, num_stages=3)
+#: Launch options of the split pass: ``block_n`` slots per block, ``late_cast`` (K/V tiles in the
+#: cache's dtype until the products, as the ring kernel's), warps and stages (warps and stages chosen
+#: by a sweep on an H200, BENCHMARKS.md run 4; ``arsparse bench --variant slots.KEY=INT``).
+LAUNCH = dict(block_n=64, late_cast=0, num_warps=2, num_stages=3)
 COMBINE_LAUNCH = dict(num_warps=4)
+
+
+def parse_launch(text: str) -> dict:
+    """``'{"block_n": 128, "late_cast": 1}'`` -> :data:`LAUNCH` with those settings (``block_n`` a power
+    of 2 >= 16, ``late_cast`` 0 or 1, warps a power of 2 up to 16, stages >= 1)."""
+    return parse_tile_launch(text, LAUNCH, "slots launch", switches=("late_cast",))
 
 
 def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: torch.Tensor, slot_k: torch.Tensor,
@@ -70,9 +78,10 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
     if prompt_span is not None:
         check_prompt_span(prompt_span, B, q.device)
     G = H // Hkv
-    splits = num_splits or choose_splits(B, Hkv, C, q.device, tile=BLOCK_N)
+    block_n, late_cast = LAUNCH["block_n"], LAUNCH["late_cast"]
+    splits = num_splits or choose_splits(B, Hkv, C, q.device, tile=block_n)
     chunk = -(-C // splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = -(-chunk // block_n) * block_n
     splits = -(-C // chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     o_part = torch.empty(B, H, splits, D, **f32)
@@ -91,7 +100,8 @@ def slot_decode_attention(q: torch.Tensor, prompt_k: torch.Tensor, prompt_v: tor
         logits.stride(0), logits.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         m_part.stride(0), m_part.stride(1),
         P, C, chunk, D**-0.5 if scale is None else scale, D,
-        G=G, BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, HAS_SPAN=prompt_span is not None, **SPLIT_LAUNCH,
+        G=G, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SPAN=prompt_span is not None,
+        LATE_CAST=bool(late_cast), num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )
     slots_combine_kernel[(B, Hkv)](
         o_part, m_part, l_part, logits, out, weights,
