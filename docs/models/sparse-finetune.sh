@@ -121,7 +121,7 @@ for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && 
   ckpt="--gpt-ckpt $([ $which = tuned ] && echo $tuned || echo /tmp/shipped.safetensors)"  # (shipped: the starting weights)
   $PY -m arsparse.cli eval --model $model $ckpt --policies "$pname" "${pargs[@]}" --nll-images $NLL_IMAGES --seed $seed \
     --num-samples $SAMPLES $mob $EVAL_ARGS --dtype fp32 --device $DEVICE --quiet --out /tmp/ev-$run > /tmp/eval-$run.txt 2>&1 || true
-  cp /tmp/ev-$run/eval.json $OUT/eval-$run.json 2>/dev/null
+  cp /tmp/ev-$run/eval.json $OUT/eval-$run.json 2>/dev/null || true  # (a failed eval: its tail below)
   echo "== $run"; grep -E "^\| .(dense|$pname)" /tmp/eval-$run.txt || tail -5 /tmp/eval-$run.txt
 done
 xz -T0 -6 -c $tuned | split -b 15M -d -a 1 - $OUT/tuned.safetensors.xz.
