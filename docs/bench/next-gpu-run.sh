@@ -18,8 +18,10 @@
 # docs/models/sparse-finetune.sh run fashion` (545 s: returns best.safetensors.xz.*), then here `cat
 # best.* | xz -d > /tmp/scratch.safetensors; INIT=/tmp/scratch.safetensors PYTHON=... bash
 # docs/models/sparse-finetune.sh prepare fashion` and
-#   POLICY=diagonal:remainder=true TRAIN_S=300 SEEDS=30000 SAMPLES=4000 BASELINE=0 \
+#   POLICY=diagonal:remainder=true STEPS=560 TRAIN_S=300 SEEDS=30000 SAMPLES=4000 BASELINE=0 \
 #     EVAL_ARGS="--fd-infinity --fd-bootstrap 100 --kid 100 --fd-floor 0" bash docs/models/sparse-finetune.sh run fashion
+# (STEPS=560: session 22's run made 577 steps of a 1,000-step schedule in its 300 s, best at step 250 of
+# its evals at 250 and 500; 560 steps let the learning rate decay inside the call, evals every 140.)
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
