@@ -205,29 +205,13 @@ def _matvec_launch() -> dict:
 
 
 def bench_policies(specs: list[str], layout, n_layer: int, n_head: int, match_budget: bool = False) -> list:
-    """``(label, policy)`` for each spec, ``name`` or ``name:key=value,...``.
+    """``(label, policy)`` for each spec, ``name`` or ``name:key=value,...``; with ``match_budget``, as
+    :func:`arsparse.policies.build_policies` matches them, each label that took a matched ``rho`` gains it."""
+    from .policies import build_policies, budget_follows, parse_spec
 
-    With ``match_budget``, every policy with a ``rho`` that its spec leaves unset keeps the most entries
-    that fit in ``diagonal``'s memory (the listed diagonal's settings, else its defaults; see
-    :func:`~arsparse.policies.policy_at_budget`: ``headkv`` pads its tables, so it gets a lower ``rho``),
-    and its label gains the ``rho`` chosen.
-    """
-    from .policies import budget_follows, get, parse_spec, policy_at_budget
-
-    parsed = [(spec, *parse_spec(spec)) for spec in specs]
-    target = None
-    if match_budget:
-        ref = next((args for _, name, args in parsed if name == "diagonal"), {})
-        target = get("diagonal", **ref).budget(layout, n_layer, n_head).kept
-    out = []
-    for spec, name, args in parsed:
-        if target is not None and budget_follows(name, args):
-            policy = policy_at_budget(name, args, target, layout, n_layer, n_head)
-            spec = f"{spec}{',' if ':' in spec else ':'}rho={policy.rho:.4f}"
-        else:
-            policy = get(name, **args)
-        out.append((spec, policy))
-    return out
+    built, _ = build_policies(specs, {}, match_budget, layout, n_layer, n_head)
+    return [(f"{spec}{',' if ':' in spec else ':'}rho={p.rho:.4f}" if match_budget and budget_follows(*parse_spec(spec))
+             else spec, p) for spec, p in built.items()]
 
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
@@ -431,6 +415,8 @@ def plot_bench(result: dict, path) -> None:
 
 
 def cmd_bench(args) -> int:
+    from .policies import split_specs
+
     try:
         batches = [b if b == "max" else int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -446,7 +432,7 @@ def cmd_bench(args) -> int:
 
         matvec.LAUNCH = matvec.parse_launch(args.matvec_launch)
     variants = tuple(parse_variant(v) for v in args.variant)
-    result = bench(args.preset, args.image_tokens, batches, args.policies.split(";"), args.kernels.split(","),
+    result = bench(args.preset, args.image_tokens, batches, split_specs(args.policies), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants,
                    match_budget=args.match_budget)
@@ -483,7 +469,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--image-tokens", type=int, default=576)
     b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes, or max (throughput mode)")
     b.add_argument("--policies", default="dense",
-                   help="semicolon-separated policies with optional args: 'dense;diagonal;h2o:rho=0.14'")
+                   help="policies with optional settings, separated by ';' or ',': 'dense;diagonal;h2o:rho=0.14' "
+                        "or 'dense,diagonal:rows=2,band=3,streaming'")
     b.add_argument("--match-budget", action="store_true",
                    help="each policy with a rho its spec leaves unset keeps the most entries that fit in diagonal's "
                         "memory (as arsparse eval --match-budget)")

@@ -231,9 +231,21 @@ def test_match_budget_gives_every_rho_policy_the_diagonal_memory():
     kept = {n: p.budget(gpt.layout, 2, 4).kept for n, p in built.items()}
     assert match["kept"] == kept["diagonal"] and kept["dense"] == 64
     assert all(kept[n] == kept["diagonal"] for n in names[2:]), kept
-    # An explicit rho wins over matching.
-    built, _ = build_policies(["h2o"], {"h2o": {"rho": 0.5}}, True, gpt.layout)
-    assert built["h2o"].rho == 0.5
+    # An explicit rho wins over matching, in --policy-arg or in the spec.
+    built, _ = build_policies(["h2o", "tova:rho=0.25"], {"h2o": {"rho": 0.5}}, True, gpt.layout)
+    assert built["h2o"].rho == 0.5 and built["tova:rho=0.25"].rho == 0.25
+    # A spec's settings go over --policy-arg's; the reference is the first diagonal listed.
+    built, match = build_policies(policies.split_specs("diagonal:sinks=0,streaming:sinks=2;diagonal"), TINY_ARGS, True,
+                                  gpt.layout, 2, 4)
+    assert built["diagonal:sinks=0"].params() == dict(policies.get("diagonal", **TINY_ARGS["diagonal"]).params(), sinks=0)
+    assert built["streaming:sinks=2"].sinks == 2 and match["params"]["sinks"] == 0
+    assert built["streaming:sinks=2"].budget(gpt.layout, 2, 4).kept == match["kept"] < kept["diagonal"]
+    assert policies.split_specs(" dense, h2o:rho=0.2,recent=0.3 ;tova") == ["dense", "h2o:rho=0.2,recent=0.3", "tova"]
+    with pytest.raises(policies.PolicyError, match="must follow a 'name:key=value' spec"):
+        policies.split_specs("dense,rho=0.2")
+    for bad, msg in (("diagonal:bogus=1", r"unknown parameter\(s\) \['bogus'\]"), ("h3o", "unknown policy 'h3o'")):
+        with pytest.raises(policies.PolicyError, match=msg):  # (when the config is made, before any data is read)
+            EvalConfig(policies=("dense", bad))
     assert parse_policy_args(["h2o:rho=0.25", "diagonal:rows=2", "diagonal:band=1"]) == {
         "h2o": {"rho": 0.25}, "diagonal": {"rows": 2, "band": 1}}
     with pytest.raises(ValueError):
@@ -349,7 +361,8 @@ def test_evaluate_end_to_end_tiny(tmp_path):
     g = torch.Generator().manual_seed(seed)
     heldout = HeldOut(torch.randint(0, 7, (30,), generator=g), torch.randint(0, 48, (30, 64), generator=g),
                       "random test tokens", floor_tokens=torch.randint(0, 48, (10, 64), generator=g))
-    names = ["dense", "diagonal", "streaming", "h2o", "tova", "lines", "adsa"]
+    # (a policy with settings of its own is a row of its own, beside the plain one)
+    names = ["dense", "diagonal", "diagonal:remainder=true", "streaming", "h2o", "tova", "lines", "adsa"]
     cfg = EvalConfig(policies=names, policy_args=TINY_ARGS, match_budget=True, num_samples=14, nll_images=6,
                      batch_size=7, nll_batch=4, ref_images=30, grid_images=14, cfg_scale=2.0,
                      seed=seed % 10_000, fd_bootstrap=20, fd_infinity=True,
@@ -360,7 +373,11 @@ def test_evaluate_end_to_end_tiny(tmp_path):
                    model_name="tiny", progress=False)
     saved = _check_result(res, tmp_path, names)
     kept = {r["policy"]: r["budget"]["kept"] for r in saved["rows"]}
-    assert all(kept[n] == kept["diagonal"] < kept["dense"] for n in names[2:])
+    assert all(kept[n] == kept["diagonal"] < kept["dense"] for n in names[3:])
+    plain, rest = saved["rows"][1], saved["rows"][2]
+    assert rest["params"] == dict(plain["params"], remainder=True) and rest["grid"] == "grid-diagonal_remainder_true.png"
+    assert kept["diagonal:remainder=true"] > kept["diagonal"]  # (its running sums count)
+    assert rest["nll_bits_per_token"] != plain["nll_bits_per_token"]
     assert saved["nll_data"] == "real held-out images: random test tokens" and saved["nll_images"] == 6
     for r in saved["rows"]:
         assert r["fd_classifier"] >= 0 and 0 <= r["class_accuracy"] <= 1

@@ -53,6 +53,7 @@ def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
     from ..data import EmojiDataError, FashionDataError
     from ..engine.generator import resolve_device
+    from ..policies import split_specs
     from .classifier import CLASSIFIER_FILES, load_classifier
     from .evaluate import EvalConfig, emoji_heldout, evaluate, fashion_heldout, markdown_table, model_dataset
     from .inception import InceptionFeatures, find_inception_weights, load_inception
@@ -82,7 +83,7 @@ def cmd_eval(args) -> int:
     if args.gpt_ckpt:  # other weights for the bundle's model (a fine-tuned one): same tokens, data, classifier
         gpt = _same_model(gpt, args.gpt_ckpt, name)
         notes.append(f"GPT weights from {args.gpt_ckpt} in place of {name}'s")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = split_specs(args.policies)
     config = EvalConfig(
         policies=tuple(policies), policy_args=parse_policy_args(args.policy_arg), match_budget=args.match_budget,
         num_samples=args.num_samples, nll_images=args.nll_images, seed=args.seed,
@@ -157,7 +158,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--gpt-ckpt", metavar="PATH", help="evaluate these GPT weights with the bundle's tokenizer, "
                    "data and classifier (e.g. a fine-tuned model.safetensors of `arsparse train model --init-from`)")
     e.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated policy names "
-                   "(dense is always added)")
+                   "(dense is always added), each optionally with its own settings, which make it a row of its "
+                   "own: 'diagonal,diagonal:remainder=true,h2o' ('name:k=v,k2=v2' is one policy; ';' also separates)")
     e.add_argument("--policy-arg", action="append", default=[], metavar="NAME:KEY=VALUE",
                    help="policy parameter, repeatable: --policy-arg diagonal:rows=2 --policy-arg h2o:recent=0.25")
     e.add_argument("--match-budget", action="store_true",

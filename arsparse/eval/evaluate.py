@@ -26,6 +26,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..policies import build_policies, parse_spec
+from ..policies import get as get_policy
 from .forcing import forced_logits
 from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance, subset_sizes
 from .kernel_distance import kernel_distances
@@ -60,6 +63,8 @@ _REF_SEED_OFFSET = 1_000_003
 class EvalConfig:
     """Everything that fixes an eval run (recorded in ``eval.json``).
 
+    ``policies``: ``name`` or ``name:key=value,...`` each (its settings over ``policy_args[name]``), so that
+    one policy can be compared with itself, e.g. ``("diagonal", "diagonal:remainder=true")``.
     ``policy_args``: per policy name, parameters for :func:`arsparse.policies.get`.
     ``match_budget``: give every policy with a ``rho`` parameter (scored policies, ``streaming``;
     not ``diagonal`` itself, not ``dense``) the diagonal policy's kept / dense, so all compare at
@@ -130,7 +135,10 @@ class EvalConfig:
                              f"it needs nll_images >= 1 (got {self.nll_images}) and temperature > 0 (got {self.temperature})")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies listed twice: {list(self.policies)}")
-        unknown = sorted(set(self.policy_args) - set(self.policies) - {"diagonal"})
+        for spec in self.policies:  # (unknown names and settings fail here, before any data is read)
+            name, args = parse_spec(spec)
+            get_policy(name, **{**self.policy_args.get(name, {}), **args})
+        unknown = sorted(set(self.policy_args) - {parse_spec(p)[0] for p in self.policies} - {"diagonal"})
         if unknown:
             raise ValueError(f"--policy-arg for policies not evaluated: {unknown}")
 
@@ -187,33 +195,6 @@ def emoji_heldout(tokenizer, root=None, floor: int = 0) -> HeldOut:
 
 
 # ---------------------------------------------------------------------------------------------
-def build_policies(names, policy_args: dict[str, dict], match_budget: bool, layout, n_layer: int = 1,
-                   n_head: int = 1) -> tuple[dict[str, Any], dict]:
-    """Policy objects by name, and a note on budget matching.
-
-    With ``match_budget``, every policy with a ``rho`` field other than ``diagonal`` gets the most
-    kept entries that do not exceed the diagonal's (:func:`~arsparse.policies.policy_at_budget`), unless ``rho`` is
-    given explicitly.
-    """
-    from .. import policies as P
-
-    match = {}
-    built = {}
-    target = None
-    if match_budget:
-        diag = P.get("diagonal", **policy_args.get("diagonal", {}))
-        b = diag.budget(layout, n_layer, n_head)
-        target = b
-        match = {"reference": "diagonal", "params": diag.params(), "kept": b.kept, "dense": b.dense, "rho": b.rho}
-    for name in names:
-        params = dict(policy_args.get(name, {}))
-        if target is not None and P.budget_follows(name, params):
-            built[name] = P.policy_at_budget(name, params, target.kept, layout, n_layer, n_head)
-        else:
-            built[name] = P.get(name, **params)
-    return built, match
-
-
 @torch.no_grad()
 def teacher_forced_metrics(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict[str, Any],
                            batch: int = 64, progress: bool = False, graphs: bool | None = None,
@@ -556,7 +537,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
                    temperature=temperature, guided_entropy=temps.get(name, {}).get("entropy"),
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
-            gpath = out / f"grid-{name}.png"
+            gpath = out / ("grid-" + re.sub(r"[^\w.-]+", "_", name) + ".png")  # (a spec's ':', '=' and ',' as '_')
             _save_grid(grid, gpath, nrow=min(mcfg.num_classes, 16))
             row["grid"] = gpath.name
         for m in METRICS + inf_metrics + kid_metrics:  # dense runs first

@@ -83,6 +83,23 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, parse_args([a for a in args.split(",") if a.strip()])
 
 
+def split_specs(text: str) -> list[str]:
+    """``"dense;diagonal:rows=2,band=3,h2o"`` (``;`` or ``,`` between policies) -> ``["dense",
+    "diagonal:rows=2,band=3", "h2o"]``: a ``key=value`` item with no ``name:`` continues the spec
+    before it (policy names never hold ``=``)."""
+    out: list[str] = []
+    for item in (t.strip() for t in text.replace(";", ",").split(",")):
+        if not item:
+            continue
+        if "=" in item and ":" not in item:
+            if not out or ":" not in out[-1]:
+                raise PolicyError(f"policy setting {item!r} must follow a 'name:key=value' spec, got {text!r}")
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
 def _has_rho(name: str) -> bool:
     if name not in _REGISTRY:
         raise PolicyError(f"unknown policy {name!r}; choose one of {', '.join(_REGISTRY)}")
@@ -139,7 +156,36 @@ def policy_at_budget(name: str, params: dict, target_kept: int, layout, n_layer:
     return best
 
 
+def build_policies(specs, policy_args: dict | None = None, match_budget: bool = False, layout=None,
+                   n_layer: int = 1, n_head: int = 1) -> tuple[dict[str, Policy], dict]:
+    """``{spec: policy}`` for each spec (``name`` or ``name:key=value,...``, its settings over
+    ``policy_args[name]``), and a note on budget matching (empty without it).
+
+    With ``match_budget`` (``layout`` needed), every policy whose ``rho`` is left unset
+    (:func:`budget_follows`) keeps the most entries that fit in the reference ``diagonal``'s
+    (:func:`policy_at_budget`; ``headkv`` pads its tables, so it gets a lower ``rho``): ``diagonal``
+    with ``policy_args["diagonal"]`` and the settings of the first spec named ``diagonal``.
+    """
+    policy_args = policy_args or {}
+    parsed = [(spec, *parse_spec(spec)) for spec in specs]
+    match, target = {}, None
+    if match_budget:
+        first = next((args for _, name, args in parsed if name == "diagonal"), {})
+        diag = get("diagonal", **{**policy_args.get("diagonal", {}), **first})
+        b = diag.budget(layout, n_layer, n_head)
+        target = b.kept
+        match = {"reference": "diagonal", "params": diag.params(), "kept": b.kept, "dense": b.dense, "rho": b.rho}
+    built = {}
+    for spec, name, args in parsed:
+        params = {**policy_args.get(name, {}), **args}
+        if target is not None and budget_follows(name, params):
+            built[spec] = policy_at_budget(name, params, target, layout, n_layer, n_head)
+        else:
+            built[spec] = get(name, **params)
+    return built, match
+
+
 from . import registry as _registry  # noqa: E402,F401  (registers the built-in policies)
 
-__all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "get", "names", "parse_args", "parse_spec", "policy_at_budget",
-           "register_policy", "resolve"]
+__all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "build_policies", "get", "names", "parse_args",
+           "parse_spec", "policy_at_budget", "register_policy", "resolve", "split_specs"]

@@ -113,13 +113,11 @@ fi
 # Fréchet distances move between sets, BENCHMARKS), the shipped ones on the first
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 first=${SEEDS%% *}
-# (a POLICY with settings, e.g. diagonal:remainder=true, reaches the eval as its name and --policy-arg s)
-pname=${POLICY%%:*} pargs=()
-if [[ $POLICY == *:* ]]; then IFS=, read -ra kvs <<< "${POLICY#*:}"; for kv in "${kvs[@]}"; do pargs+=(--policy-arg "$pname:$kv"); done; fi
+pname=${POLICY%%:*}  # (a POLICY with settings, e.g. diagonal:remainder=true, is one row of the eval)
 for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && echo shipped-s$first); do
   which=${run%-s*} seed=${run##*-s}
   ckpt="--gpt-ckpt $([ $which = tuned ] && echo $tuned || echo /tmp/shipped.safetensors)"  # (shipped: the starting weights)
-  $PY -m arsparse.cli eval --model $model $ckpt --policies "$pname" "${pargs[@]}" --nll-images $NLL_IMAGES --seed $seed \
+  $PY -m arsparse.cli eval --model $model $ckpt --policies "$POLICY" --nll-images $NLL_IMAGES --seed $seed \
     --num-samples $SAMPLES $mob $EVAL_ARGS --dtype fp32 --device $DEVICE --quiet --out /tmp/ev-$run > /tmp/eval-$run.txt 2>&1 || true
   cp /tmp/ev-$run/eval.json $OUT/eval-$run.json 2>/dev/null || true  # (a failed eval: its tail below)
   echo "== $run"; grep -E "^\| .(dense|$pname)" /tmp/eval-$run.txt || tail -5 /tmp/eval-$run.txt
