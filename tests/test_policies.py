@@ -419,7 +419,7 @@ def test_scored_cache_bookkeeping_compiles_once_across_a_graph_break(monkeypatch
     bookkeeping a fixed number of times, not once per decode step (which had hit dynamo's
     recompile limit and left the bookkeeping eager: dozens of small kernels a layer). torch 2.11
     (the GPU image's) recompiled every step while a bound ``spos.masked_fill_`` was held across the
-    break; 2.13 does not, so this fails only on the older torch (run there by docs/bench/next-gpu-run.sh a)."""
+    break; 2.13 does not, so this can fail only on the older torch (run there by docs/bench/next-gpu-run.sh a)."""
     from functools import partial
 
     from arsparse.policies.headwise import HeadKVPolicy
