@@ -131,7 +131,7 @@ def sweep_ring(rows):
 
 def sweep_slots(rows):
     """83 kept + 1 spare, ~5% free: the split pass by block_n, late_cast, num_warps and num_stages (the
-    combine pass at the engine's setting; run 4 swept its warps)."""
+    combine pass at the engine's setting; run 3 swept its warps)."""
     C = 84
     pk, ck, cv = r(B, H, 1, D), r(B, H, C, D), r(B, H, C, D)
     spos = torch.randint(2, S, (B, H, C), device=dev, generator=g)
