@@ -210,8 +210,12 @@ def bench_policies(specs: list[str], layout, n_layer: int, n_head: int, match_bu
     from .policies import build_policies, budget_follows, parse_spec
 
     built, _ = build_policies(specs, {}, match_budget, layout, n_layer, n_head)
-    return [(f"{spec}{',' if ':' in spec else ':'}rho={p.rho:.4f}" if match_budget and budget_follows(*parse_spec(spec))
-             else spec, p) for spec, p in built.items()]
+    out = []
+    for spec, policy in built.items():
+        if match_budget and budget_follows(*parse_spec(spec)):
+            spec = f"{spec}{',' if ':' in spec else ':'}rho={policy.rho:.4f}"
+        out.append((spec, policy))
+    return out
 
 
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
