@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..policies import build_policies, parse_spec
+from ..policies import build_policies, spec_params
 from ..policies import get as get_policy
 from .forcing import forced_logits
 from .frechet import FrechetReference, bootstrap_distances, delta_interval, extrapolated_distance, subset_sizes
@@ -135,10 +135,12 @@ class EvalConfig:
                              f"it needs nll_images >= 1 (got {self.nll_images}) and temperature > 0 (got {self.temperature})")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies listed twice: {list(self.policies)}")
+        names = set()
         for spec in self.policies:  # (unknown names and settings fail here, before any data is read)
-            name, args = parse_spec(spec)
-            get_policy(name, **{**self.policy_args.get(name, {}), **args})
-        unknown = sorted(set(self.policy_args) - {parse_spec(p)[0] for p in self.policies} - {"diagonal"})
+            name, params = spec_params(spec, self.policy_args)
+            get_policy(name, **params)
+            names.add(name)
+        unknown = sorted(set(self.policy_args) - names - {"diagonal"})
         if unknown:
             raise ValueError(f"--policy-arg for policies not evaluated: {unknown}")
 

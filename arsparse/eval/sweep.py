@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..policies import parse_spec, policy_at_budget
+from ..policies import policy_at_budget, spec_params
 from .evaluate import (EvalConfig, HeldOut, note_infinity, prepare_bench, run_info,
                        sampled_quality, teacher_forced_metrics)
 
@@ -164,13 +164,13 @@ def sweep(gpt, tokenizer, config: EvalConfig, rhos: Iterable[float] = DEFAULT_RH
                  params={}, error=None, nll_bits_per_token=None, kl_to_dense=None, top1_agreement=None)]
     runs = {"dense": (dense, rows[0])}  # name@rho -> (policy, its row), for the ones that run
     for spec in (n for n in cfg.policies if n != "dense"):
-        name, args = parse_spec(spec)
+        name, params = spec_params(spec, cfg.policy_args)
         for r in rhos:
             row = dict(policy=spec, rho_requested=r, rho=None, kept=None, dense=dense_n, read=None, params=None,
                        error=None, nll_bits_per_token=None, kl_to_dense=None, top1_agreement=None)
             try:
-                pol = policy_at_budget(name, {**cfg.policy_args.get(name, {}), **args}, math.floor(r * dense_n + 1e-9),
-                                       layout, mcfg.n_layer, mcfg.n_head).prepare(gpt)
+                pol = policy_at_budget(name, params, math.floor(r * dense_n + 1e-9), layout, mcfg.n_layer,
+                                       mcfg.n_head).prepare(gpt)
                 b = pol.budget(layout, mcfg.n_layer, mcfg.n_head)
             except P.PolicyError as e:
                 row["error"] = str(e)

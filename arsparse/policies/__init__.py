@@ -83,6 +83,12 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, parse_args([a for a in args.split(",") if a.strip()])
 
 
+def spec_params(spec: str, policy_args: dict | None = None) -> tuple[str, dict]:
+    """``spec``'s name and parameters: its own settings over ``policy_args[name]`` (``--policy-arg``)."""
+    name, args = parse_spec(spec)
+    return name, {**(policy_args or {}).get(name, {}), **args}
+
+
 def split_specs(text: str) -> list[str]:
     """``"dense;diagonal:rows=2,band=3,h2o"`` (``;`` or ``,`` between policies) -> ``["dense",
     "diagonal:rows=2,band=3", "h2o"]``: a ``key=value`` item with no ``name:`` continues the spec
@@ -166,18 +172,16 @@ def build_policies(specs, policy_args: dict | None = None, match_budget: bool = 
     (:func:`policy_at_budget`; ``headkv`` pads its tables, so it gets a lower ``rho``): ``diagonal``
     with ``policy_args["diagonal"]`` and the settings of the first spec named ``diagonal``.
     """
-    policy_args = policy_args or {}
-    parsed = [(spec, *parse_spec(spec)) for spec in specs]
+    parsed = [(spec, *spec_params(spec, policy_args)) for spec in specs]
     match, target = {}, None
     if match_budget:
-        first = next((args for _, name, args in parsed if name == "diagonal"), {})
-        diag = get("diagonal", **{**policy_args.get("diagonal", {}), **first})
+        diag = get("diagonal", **next((params for _, name, params in parsed if name == "diagonal"),
+                                      (policy_args or {}).get("diagonal", {})))
         b = diag.budget(layout, n_layer, n_head)
         target = b.kept
         match = {"reference": "diagonal", "params": diag.params(), "kept": b.kept, "dense": b.dense, "rho": b.rho}
     built = {}
-    for spec, name, args in parsed:
-        params = {**policy_args.get(name, {}), **args}
+    for spec, name, params in parsed:
         if target is not None and budget_follows(name, params):
             built[spec] = policy_at_budget(name, params, target, layout, n_layer, n_head)
         else:
@@ -188,4 +192,4 @@ def build_policies(specs, policy_args: dict | None = None, match_budget: bool = 
 from . import registry as _registry  # noqa: E402,F401  (registers the built-in policies)
 
 __all__ = ["Budget", "Policy", "PolicyError", "budget_follows", "build_policies", "get", "names", "parse_args",
-           "parse_spec", "policy_at_budget", "register_policy", "resolve", "split_specs"]
+           "parse_spec", "policy_at_budget", "register_policy", "resolve", "spec_params", "split_specs"]
