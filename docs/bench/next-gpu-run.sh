@@ -1,10 +1,11 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
+#   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
+#                                       # (its speed decides whether the fashion recipe can ship: session 23)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's new settings (block_n, late_cast): kernel sweep,
 #                                       # then h2o and headkv in whole steps with the best (run 19: the slot
 #                                       # kernel reads at 47 % of the copy bandwidth, the ring kernel 68 %)
-#   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
 #   bash docs/bench/next-gpu-run.sh a   # the GPU tests of every kernel and the compiled step
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). If s finds a faster setting,
@@ -13,15 +14,16 @@
 # prepare emoji`, park what it lists, carry .ft; run 19's call measured the other baselines):
 #   SAMPLES=3000 POLICIES=headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
-# Fashion: the remainder entry closed the classifier-feature gap and training with the read set from step
-# 0 the MobileNetV2 one (BENCHMARKS, sessions 21 and 22). The two together, in two calls: `SCRATCH=1 bash
-# docs/models/sparse-finetune.sh run fashion` (545 s: returns best.safetensors.xz.*), then here `cat
-# best.* | xz -d > /tmp/scratch.safetensors; INIT=/tmp/scratch.safetensors PYTHON=... bash
-# docs/models/sparse-finetune.sh prepare fashion` and
+# Fashion: the two recipes together (a scratch run with the read set, then the remainder fine-tune)
+# closed both Fréchet gaps within that model (session 23, BENCHMARKS), whose dense is weaker than the
+# shipped one. Next, the same from the shipped weights (here `INIT=` is the default): `POLICY=diagonal
+# MIX=split STEPS=560 TRAIN_S=300 BASELINE=0 SEEDS= bash docs/models/sparse-finetune.sh run fashion`
+# (keep tuned.safetensors.xz.*), then the remainder fine-tune of those as session 23's second call:
 #   POLICY=diagonal:remainder=true STEPS=560 TRAIN_S=300 SEEDS=30000 SAMPLES=4000 BASELINE=0 \
 #     EVAL_ARGS="--fd-infinity --fd-bootstrap 100 --kid 100 --fd-floor 0" bash docs/models/sparse-finetune.sh run fashion
-# (STEPS=560: session 22's run made 577 steps of a 1,000-step schedule in its 300 s, best at step 250 of
-# its evals at 250 and 500; 560 steps let the learning rate decay inside the call, evals every 140.)
+# The scored baselines' budget crossings on the shipped fashion weights (CPU: 100-200 s a pass, too slow):
+#   python3 -m arsparse.cli eval --model fashion-c2i --policies h2o,tova,headkv --sweep-rho 0.12,0.18,0.25,0.35,0.5 \
+#     --nll-images 512 --device cuda --out $OUT/fashion-sweep
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
