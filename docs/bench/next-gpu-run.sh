@@ -2,7 +2,8 @@
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
-#                                       # (its speed decides whether the fashion recipe can ship: session 23)
+#                                       # (run 20: 4.89 against 3.39 ms; time it again once the ring kernel
+#                                       # updates the remainder's sums itself)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's new settings (block_n, late_cast): kernel sweep,
 #                                       # then h2o and headkv in whole steps with the best (run 19: the slot
 #                                       # kernel reads at 47 % of the copy bandwidth, the ring kernel 68 %)
