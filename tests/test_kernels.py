@@ -226,9 +226,62 @@ def test_ring_kernel_rotates_q_and_k_as_apply_rope(poisoned_empty, launch, B, H,
                 torch.testing.assert_close(t.cpu(), w, equal_nan=True, **tol)
     with pytest.raises(ValueError, match="rope table must be contiguous fp32"):
         ring_decode_attention(*inputs, S, rope=table.double())
-    with pytest.raises(ValueError, match="do not go together"):
+    with pytest.raises(ValueError, match="need update_sums=True"):
         sums = tuple(torch.zeros(B, Hkv, D, device=DEVICE) for _ in range(2))
         ring_decode_attention(*inputs, S, rope=table.to(DEVICE), rest_sums=sums)
+
+
+@pytest.mark.parametrize("launch", [None, dict(merged=False, late_cast=True),
+                                    dict(rows_per_program=2, early_loads=False)],
+                         ids=["engine", "three-tiles-late", "rows2-wait-first"])
+@pytest.mark.parametrize("B,H,P,S,W,D,rotate", [
+    (4, 4, 1, 2, 12, 64, True),  # a c2i prompt, q and k rotated in the kernel
+    (3, 2, 5, 3, 9, 100, False),  # head_dim 100, q and k rotated beforehand
+    (3, 4, 1, 0, 7, 128, True),  # no sinks: every row adds its token
+])
+def test_ring_kernel_adds_the_new_token_to_the_remainder_sums(poisoned_empty, launch, B, H, P, S, W, D, rotate):
+    """update_sums=True (one query head per kv head): the running sums arrive without the new token.
+    The output == the reference's given the sums with the (rotated) new token added where it is past
+    the sinks, and the kernel stores exactly those sums (rows at the first image position and the
+    last sink leave theirs as they were)."""
+    from arsparse.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    offsets = random_offsets(g, H, 5, W)
+    pos = row_positions(g, B, P, P + 4 * W, [P, P + max(S - 1, 0), P + 4 * W])
+    inputs, _ = random_ring_case(B, H, H, P, S, W, D, offsets, pos, torch.float32, int(pos.sum()) + 3, DEVICE)
+    q, k_new, v_new = (t.cpu() for t in inputs[:3])
+    table = None
+    if rotate:
+        angle = torch.rand(B, D // 2, generator=g) * 6.3
+        table = torch.stack([angle.cos(), angle.sin()], -1)  # (B, D/2, 2)
+        q, k_rot = (apply_rope(x[:, None], table[:, None])[:, 0] for x in (q, k_new))
+    else:
+        k_rot = k_new
+    sums = [torch.randn(B, H, D, generator=g).mul_(5) for _ in range(2)]
+    past = (pos - P >= S).to(torch.float32)[:, None, None]  # (B, 1, 1)
+    want_sums = [sums[0] + k_rot * past, sums[1] + v_new * past]
+    bufs = [t.cpu().clone() for t in inputs[3:9]]
+    want = ring_decode_attention_ref(q, k_rot, v_new, *bufs, offsets, pos, S, rest_sums=want_sums)
+    got_sums = [t.clone().to(DEVICE) for t in sums]
+    got = ring_decode_attention(*inputs, S, rest_sums=got_sums, update_sums=True, launch=launch,
+                                rope=None if table is None else table.to(DEVICE))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    if DEVICE == "cpu":  # (the interpreter's fp32 rotation is PyTorch's: the same bits)
+        _same([t.cpu() for t in inputs[3:9] + got_sums], bufs + want_sums)
+    else:
+        for t, w in zip(inputs[3:9] + got_sums, bufs + want_sums):
+            torch.testing.assert_close(t.cpu(), w, equal_nan=True, **TOL)
+    assert not torch.equal(want_sums[0], sums[0])  # row 2, far past the sinks, added its token
+    if S:
+        assert torch.equal(got_sums[0][:2].cpu(), sums[0][:2])  # rows 0 and 1 are not past the sinks
+    with pytest.raises(ValueError, match=f"one query head per kv head, got H={H}, Hkv=1"):
+        mqa = torch.zeros(B, 1, D, device=DEVICE)  # (the same step with one kv head for the H query heads)
+        ring_decode_attention(inputs[0], *[t[:, :1] for t in inputs[1:9]], *inputs[9:], S,
+                              rest_sums=(mqa, mqa.clone()), update_sums=True)
+    with pytest.raises(ValueError, match="needs rest_sums="):
+        ring_decode_attention(*inputs, S, update_sums=True)
 
 
 @pytest.mark.parametrize("launch", [None, dict(merged=False)], ids=["engine", "three-tiles"])
@@ -428,12 +481,14 @@ def test_ring_cache_triton_step_equals_torch_step(policy, G, P):
         fast.pos.add_(1)
 
 
-@pytest.mark.parametrize("model_type,matvec", [("c2i", False), ("t2i", False), ("c2i", True)],
-                         ids=["c2i", "t2i", "c2i-matvec"])
-def test_ring_kernel_rotating_q_and_k_gives_the_reference_tokens(monkeypatch, model_type, matvec):
+@pytest.mark.parametrize("model_type,matvec,remainder", [("c2i", False, 0), ("t2i", False, 0), ("c2i", True, 0),
+                                                          ("c2i", False, 1)],
+                         ids=["c2i", "t2i", "c2i-matvec", "c2i-remainder"])
+def test_ring_kernel_rotating_q_and_k_gives_the_reference_tokens(monkeypatch, model_type, matvec, remainder):
     """On the fused path (the PyTorch halves, as compiled on a GPU) a ring policy's decode steps hand q
     and k to the Triton ring kernel unrotated with the step's RoPE table (one per row for t2i), and the
     kernel rotates them: the tokens equal the reference path's (RoPE in the model, gathered attention).
+    With the remainder entry the kernel also adds the rotated key to the running sums.
     The matvec halves fold RoPE into their wqkv launch and hand over rotated q and k (no table)."""
     from arsparse import Generator
     from arsparse.kernels import triton as kernels
@@ -441,7 +496,7 @@ def test_ring_kernel_rotating_q_and_k_gives_the_reference_tokens(monkeypatch, mo
 
     model = random_gpt(model_type, seed=6)
     cond = random_cond(model, 2)
-    policy = "diagonal:local=3,rows=1,band=1,sinks=2"
+    policy = f"diagonal:local=3,rows=1,band=1,sinks=2,remainder={remainder}"
     kw = dict(cfg_scale=2.0, temperature=1.0, seed=int.from_bytes(os.urandom(2), "little"))
     want = Generator(model, device=DEVICE, dtype="fp32", kernel="torch", policy=policy).sample_tokens(cond, **kw)
     tables = []
@@ -536,14 +591,21 @@ def test_generator_triton_equals_torch(policy):
     assert torch.equal(sampled["triton"], sampled["torch"])
 
 
-@pytest.mark.parametrize("policy", [None, dict(local=2, rows=1, band=1, sinks=1),
-                                    dict(local=2, rows=1, band=1, sinks=1, remainder=True)])
-def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
+_DIAGONAL = dict(local=2, rows=1, band=1, sinks=1)
+
+
+@pytest.mark.parametrize("policy,fused", [(None, False), (_DIAGONAL, False), (dict(_DIAGONAL, remainder=True), False),
+                                          (_DIAGONAL, True), (dict(_DIAGONAL, remainder=True), True)],
+                         ids=["dense", "diagonal", "remainder", "diagonal-fused", "remainder-fused"])
+def test_continuous_batching_through_triton_gives_the_offline_tokens(monkeypatch, policy, fused):
     """The serving engine's slots, each at its own position, through the Triton kernels: every
-    request gets the offline PyTorch generator's tokens, whether it joined mid-flight or not."""
+    request gets the offline PyTorch generator's tokens, whether it joined mid-flight or not.
+    ``fused``: the compiled model's halves (uncompiled), which hand the ring kernel q and k unrotated
+    with each row's RoPE table."""
     from arsparse import policies
     from arsparse.engine.continuous import SlotDecoder
     from arsparse.engine.generator import Generator
+    from arsparse.kernels import triton as kernels
     from conftest import random_gpt
     from test_serve_engine import _offline, _requests, _serve
 
@@ -552,11 +614,23 @@ def test_continuous_batching_through_triton_gives_the_offline_tokens(policy):
     offline = Generator(model, device=DEVICE, dtype="fp32", kernel="torch", policy=pol)
     dec = SlotDecoder(Generator(model, device=DEVICE, dtype="fp32", kernel="triton", policy=pol), slots=3,
                       guidance=True)
+    tables = []
+    real = kernels.ring_decode_attention
+    monkeypatch.setattr(kernels, "ring_decode_attention",
+                        lambda q, *a, rope=None, **k: tables.append((rope, q.shape[0])) or real(q, *a, rope=rope, **k))
     reqs = _requests(model, 3, seed=4)
-    results, joined = _serve(dec, reqs, [0, 3, 5])
+    if fused:
+        model.fuse(None)
+    try:
+        results, joined = _serve(dec, reqs, [0, 3, 5])
+    finally:
+        model.unfuse()
     assert joined >= 1
     for i, r in enumerate(reqs):
         assert torch.equal(results[i], _offline(offline, r)), f"request {i}"
+    if fused:  # every ring launch rotated, with one table per row
+        D = model.config.head_dim
+        assert tables and all(t is not None and t.shape == (rows, D // 2, 2) for t, rows in tables)
 
 
 RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (the engine's: MERGED, ALIGN 16,

@@ -134,7 +134,9 @@ class RowRingKVCache(_RowMasks, RingKVCache):
         self.pos = torch.zeros(rows, dtype=torch.long, device=device)
         self.prefill_rows: torch.Tensor | None = None
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, rope: torch.Tensor | None = None):
+        if rope is not None:  # (a compiled model's decode step: each row's table, q and k unrotated)
+            return self._decode_rotating(layer, q, k, v, self.pos[: q.shape[0]], rope)
         if self.phase == "prefill":
             T = k.shape[2]
             self.pk[layer, self.prefill_rows, :, :T] = k
@@ -145,7 +147,7 @@ class RowRingKVCache(_RowMasks, RingKVCache):
             return self._prefill_rows(q, k, v)
         B, H = q.shape[0], q.shape[1]
         pos = self.pos[:B]  # (B,)
-        if self.remainder:  # each row's new token joins its sums once the row is past the sinks
+        if self.remainder and not self.sums_in_kernel:  # each row's new token joins its sums once past the sinks
             past = (pos - self.P >= self.S).to(torch.float32)[:, None, None]  # (B, 1, 1)
             self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
             self.vsum[layer, :B].add_(v[:, :, 0].float() * past)

@@ -83,7 +83,9 @@ class RingKVCache(_PromptCache):
     With the policy's ``remainder``, ``ksum``/``vsum`` (L, rows, Hkv, D) fp32 hold the sums of K
     and V over the image positions past the sinks written so far (zeroed at prefill, added to as
     each token is written, branch-free); a query's remainder entry is those sums less the image
-    keys it reads (both kernels; the sums are updated in PyTorch before the Triton launch).
+    keys it reads (both kernels). The Triton kernel updates the sums itself where each kv head has
+    one query head (``sums_in_kernel``), so it can also rotate q and k; else they are updated in
+    PyTorch before its launch.
     """
 
     def __init__(self, cfg: GPTConfig, policy, rows: int, dtype, device, kernel: str = "torch"):
@@ -103,6 +105,7 @@ class RingKVCache(_PromptCache):
         sums = (L, rows, Hkv, D) if self.remainder else (0,)
         self.ksum = torch.zeros(sums, dtype=torch.float32, device=device)
         self.vsum = torch.zeros_like(self.ksum)
+        self.sums_in_kernel = self.remainder and kernel == "triton" and self.G == 1
 
     def nbytes(self) -> int:
         state = (self.pk, self.pv, self.rk, self.rv, self.sk, self.sv, self.ksum, self.vsum)
@@ -111,24 +114,30 @@ class RingKVCache(_PromptCache):
     @property
     def rotates_qk(self) -> bool:
         """Whether ``attend`` takes ``rope=`` (the step's RoPE table, q and k unrotated) and rotates them
-        in the decode kernel: decode steps of the Triton kernel without the remainder entry, while the
-        kernel's ``LAUNCH["rotate"]`` says so (``arsparse bench --variant ring.rotate=0``: RoPE in the block)."""
-        if self.phase != "decode" or self.kernel != "triton" or self.remainder:
+        in the decode kernel: decode steps of the Triton kernel (with the remainder entry, where the
+        kernel updates its sums), while the kernel's ``LAUNCH["rotate"]`` says so (``arsparse bench
+        --variant ring.rotate=0``: RoPE in the block)."""
+        if self.phase != "decode" or self.kernel != "triton" or (self.remainder and not self.sums_in_kernel):
             return False
         from ..kernels.triton import ring
         return ring.LAUNCH["rotate"]
 
+    def _decode_rotating(self, layer: int, q, k, v, pos, rope: torch.Tensor):
+        """The fused path's decode step, q and k unrotated with the step's table (only when ``rotates_qk``)."""
+        if not self.rotates_qk:
+            raise ValueError("rope= needs a decode step of the triton kernel (with the remainder entry, "
+                             "one query head per kv head)")
+        return self._decode_triton(layer, q, k, v, pos, rope)
+
     def attend(self, layer: int, q, k, v, rope: torch.Tensor | None = None):
         if rope is not None:  # (the model passes a table only when rotates_qk says so)
-            if not self.rotates_qk:
-                raise ValueError("rope= needs a decode step of the triton kernel without the remainder entry")
-            return self._decode_triton(layer, q, k, v, self.pos, rope)
+            return self._decode_rotating(layer, q, k, v, self.pos, rope)
         if self.phase == "prefill":
             if self.remainder:
                 self.ksum[layer].zero_()
                 self.vsum[layer].zero_()
             return self._prefill(layer, q, k, v)
-        if self.remainder:  # the new token joins the running sums if it is past the sinks
+        if self.remainder and not self.sums_in_kernel:  # the new token joins the running sums if past the sinks
             past = (self.pos - self.P >= self.S).to(torch.float32)
             B = k.shape[0]
             self.ksum[layer, :B].add_(k[:, :, 0].float() * past)
@@ -179,7 +188,8 @@ class RingKVCache(_PromptCache):
         return ring_decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.pk[layer, :B], self.pv[layer, :B],
                                      self.sk[layer, :B], self.sv[layer, :B], self.rk[layer, :B], self.rv[layer, :B],
                                      self.offsets[layer], pos, self.S, prompt_span=span, rest_sums=sums,
-                                     rope=None if rope is None else rope.reshape(-1, *rope.shape[-2:])).unsqueeze(2)
+                                     rope=None if rope is None else rope.reshape(-1, *rope.shape[-2:]),
+                                     update_sums=self.sums_in_kernel).unsqueeze(2)
 
 
 class SlotKVCache(_PromptCache):

@@ -2,8 +2,7 @@
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
-#                                       # (run 20: 4.89 against 3.39 ms; time it again once the ring kernel
-#                                       # updates the remainder's sums itself)
+#                                       # (run 21 timed dense, diagonal and the remainder alone: 3.93 ms, +14 %)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's new settings (block_n, late_cast): kernel sweep,
 #                                       # then h2o and headkv in whole steps with the best (run 19: the slot
 #                                       # kernel reads at 47 % of the copy bandwidth, the ring kernel 68 %)
@@ -15,16 +14,10 @@
 # prepare emoji`, park what it lists, carry .ft; run 19's call measured the other baselines):
 #   SAMPLES=3000 POLICIES=headkv bash docs/eval/fd-infinity.sh run emoji
 #   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
-# Fashion: the two recipes together (a scratch run with the read set, then the remainder fine-tune)
-# closed both Fréchet gaps within that model (session 23, BENCHMARKS), whose dense is weaker than the
-# shipped one. Next, the same from the shipped weights (here `INIT=` is the default): `POLICY=diagonal
-# MIX=split STEPS=560 TRAIN_S=300 BASELINE=0 SEEDS= bash docs/models/sparse-finetune.sh run fashion`
-# (keep tuned.safetensors.xz.*), then the remainder fine-tune of those as session 23's second call:
-#   POLICY=diagonal:remainder=true STEPS=560 TRAIN_S=300 SEEDS=30000 SAMPLES=4000 BASELINE=0 \
-#     EVAL_ARGS="--fd-infinity --fd-bootstrap 100 --kid 100 --fd-floor 0" bash docs/models/sparse-finetune.sh run fashion
-# The scored baselines' budget crossings on the shipped fashion weights (CPU: 100-200 s a pass, too slow):
-#   python3 -m arsparse.cli eval --model fashion-c2i --policies h2o,tova,headkv --sweep-rho 0.12,0.18,0.25,0.35,0.5 \
-#     --nll-images 512 --device cuda --out $OUT/fashion-sweep
+# Fashion's Fréchet gap on the shipped weights: session 24 ran both recipes from them (+12.5 % and +14.4 %
+# left; from random weights they closed it, session 23). The scored baselines' NLL crossings on fashion
+# were measured in session 24 (export ARSPARSE_DATA to the unpacked data, or the sweep scores the
+# model's own samples).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1

@@ -45,7 +45,8 @@ BASELINE=${BASELINE:-1}  # (0: no eval of the starting weights, whose numbers ar
 case $ds in fashion|emoji) ;; *) echo "data set: fashion or emoji, got $ds"; exit 2;; esac
 model=$ds-c2i
 # (emoji: one set, since its weights come back in 3 chunks and a call returns at most 8 files)
-SEEDS=${SEEDS:-$([ $ds = fashion ] && echo "0 10000 20000" || echo 0)}
+# (SEEDS= set and empty: no eval, the weights and the training log alone)
+SEEDS=${SEEDS-$([ $ds = fashion ] && echo "0 10000 20000" || echo 0)}
 if [ "$what" = prepare ]; then
   rm -rf .ft && mkdir -p .ft && { grep -qx '/.ft/' .git/info/exclude || echo /.ft/ >> .git/info/exclude; }
   xz -T0 -6 -c "${INIT:-arsparse/weights/$model.safetensors}" > .ft/gpt.safetensors.xz  # (INIT: other weights to start from)
@@ -114,7 +115,7 @@ fi
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
 first=${SEEDS%% *}
 pname=${POLICY%%:*}  # (a POLICY with settings, e.g. diagonal:remainder=true, is one row of the eval)
-for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && echo shipped-s$first); do
+for run in $(for s in $SEEDS; do echo tuned-s$s; done) $([ "$BASELINE" = 1 ] && [ -n "$first" ] && echo shipped-s$first); do
   which=${run%-s*} seed=${run##*-s}
   ckpt="--gpt-ckpt $([ $which = tuned ] && echo $tuned || echo /tmp/shipped.safetensors)"  # (shipped: the starting weights)
   $PY -m arsparse.cli eval --model $model $ckpt --policies "$POLICY" --nll-images $NLL_IMAGES --seed $seed \

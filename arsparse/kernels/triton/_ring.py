@@ -9,8 +9,12 @@ poison.
 
 ``LATE_CAST``: the gathered K/V tiles stay in the cache's dtype and are converted to fp32 only in
 the products and sums (fewer registers); the arithmetic is fp32 either way. The remainder entry's
-running sums (``HAS_REST``) are read-only here: the cache adds the new token to them before the
-launch (one small element-wise op), so no program can see them half-updated.
+running sums (``HAS_REST``) are either read-only here (the cache adds the new token to them before
+the launch, one small element-wise op, so no program can see them half-updated), or, with
+``ADD_NEW`` and one query head per kv head (then the only program that reads a row's sums is the one
+that writes them), hold the sums before the new token, which the kernel adds itself (in registers
+for the remainder entry, then stored back): that lets the key be rotated here (``HAS_ROPE``) with
+the remainder entry too, and takes the step's PyTorch updates of the sums away.
 
 Its form was chosen on an H200 (BENCHMARKS.md, runs 6 and 7): 2-D tiles of one head per program took
 the decode step of diagonal at batch 256 from 4.75 to 4.05 ms against 3-D tiles of a block of heads,
@@ -75,6 +79,16 @@ def _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S, n_read
 
 
 @triton.jit
+def _added(i, S, ADD_NEW: tl.constexpr):
+    """1.0 where the kernel adds the new token (image index ``i``) to the running sums itself (``ADD_NEW``,
+    past the sinks), else 0.0: the remainder entry's sums less the ring entries read subtract the new
+    token that many times fewer (it is in the sums only once the cache or the kernel added it)."""
+    if ADD_NEW:
+        return (i >= S).to(tl.float32)
+    return 0.0
+
+
+@triton.jit
 def _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s,
                    sr_b, sr_h, sr_s, P, S, W, n_off, offs_d, dmask, HAS_SPAN: tl.constexpr, ALIGN: tl.constexpr):
     """Row ``b``'s read set as one tile (BO, BD): entry j < n_off is the ring entry at offset o[j], the
@@ -112,7 +126,7 @@ def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo
                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
                 ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
                 HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
-                EARLY: tl.constexpr, ALIGN: tl.constexpr, HAS_ROPE: tl.constexpr):
+                EARLY: tl.constexpr, ALIGN: tl.constexpr, HAS_ROPE: tl.constexpr, ADD_NEW: tl.constexpr):
     """Row ``b``'s read set in one tile (:func:`_merged_gather`) and one softmax over it and the new
     token. Returns the unnormalised output and its sum, (BD,) and a scalar, and the new token's K/V
     (for the caller's cache write)."""
@@ -134,7 +148,7 @@ def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo
     s = tl.where(old, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # (BO,)
     m = tl.maximum(tl.max(s, axis=0), u_new)
     if HAS_REST:  # the remainder entry, less the ring entries read (the new token's as often as read)
-        n_new_r = tl.sum((is_r & new).to(tl.float32), axis=0)
+        n_new_r = tl.sum((is_r & new).to(tl.float32), axis=0) - _added(i, S, ADD_NEW)
         k_read = tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)
         v_read = tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)
         s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
@@ -158,7 +172,7 @@ def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o
                     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h,
                     sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr,
                     HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    HAS_ROPE: tl.constexpr):
+                    HAS_ROPE: tl.constexpr, ADD_NEW: tl.constexpr):
     """Row ``b``'s read set as three tiles (prompt (BP, BD), sinks (BS, BD), ring entries (BO, BD)) and one
     softmax over them and the new token, which (as in :func:`_merged_row`) is one term from registers,
     its slot left out of the gathers. Returns the unnormalised output (BD,), its sum and the new token."""
@@ -197,6 +211,7 @@ def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o
     s_r = tl.where(rmask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E
     n_new_r = tl.sum(rnew.to(tl.float32), axis=0)
     n_new = n_new_r + tl.sum(snew.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
+    n_new_r -= _added(i, S, ADD_NEW)
     u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))
     m = tl.maximum(tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0)), u_new)
     if HAS_REST:  # (the ring entries read from memory are the rows of kr; the new token's as often as read)
@@ -230,6 +245,7 @@ def ring_decode_kernel(
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
     MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1, HAS_ROPE: tl.constexpr = False,
+    ADD_NEW: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -242,7 +258,8 @@ def ring_decode_kernel(
 
     The read set is computed here from the head's offsets: no index tensor is built per step.
     ``HAS_REST``: also the remainder entry from the running sums KSUM, VSUM, which this kernel only
-    reads (they already hold the new token).
+    reads (they already hold the new token); with ``ADD_NEW`` (G == 1) they do not, and the program
+    adds the new token (past the sinks) and stores them back.
     ``PDL`` (``_pdl.py``): launched beside the previous launch's last programs, a program loads its
     head's offsets (which no kernel writes) and then waits for them. ``EARLY``: it waits later, after
     a row's gathers (prompt, sinks, ring entries other than the new token's slot: all written by
@@ -279,13 +296,14 @@ def ring_decode_kernel(
             acc, l, kn, vn = _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk,
                                          pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s,
                                          ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale,
-                                         offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, HAS_ROPE)
+                                         offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, HAS_ROPE,
+                                         ADD_NEW)
         else:
             acc, l, kn, vn = _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b,
                                              h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b,
                                              sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W,
                                              scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY,
-                                             HAS_ROPE)
+                                             HAS_ROPE, ADD_NEW)
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
         tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
@@ -295,3 +313,8 @@ def ring_decode_kernel(
         w_off = b * ss_b + hk * ss_h + i * ss_s + offs_d
         tl.store(SK + w_off, kn, mask=tl.where(i < S, wmask, False))
         tl.store(SV + w_off, vn, mask=tl.where(i < S, wmask, False))
+        if ADD_NEW:  # (G == 1: this program was the only reader of row b's sums, above)
+            amask = tl.where(live & (i >= S), dmask, False)
+            a_off = b * ssum_b + hk * ssum_h + offs_d
+            tl.store(KSUM + a_off, tl.load(KSUM + a_off, mask=amask, other=0.0) + kn.to(tl.float32), mask=amask)
+            tl.store(VSUM + a_off, tl.load(VSUM + a_off, mask=amask, other=0.0) + vn.to(tl.float32), mask=amask)

@@ -91,7 +91,7 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                           n_sinks: int, scale: float | None = None, launch: dict | None = None,
                           prompt_span: torch.Tensor | None = None,
                           rest_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          rope: torch.Tensor | None = None) -> torch.Tensor:
+                          rope: torch.Tensor | None = None, update_sums: bool = False) -> torch.Tensor:
     """The decode step of an offset policy's ring cache in one kernel: attend over the policy's read
     set (reading nothing else) and write the new token.
 
@@ -118,11 +118,15 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
         and V over the image positions past the sinks up to ``pos``, *the new token included* (the
-        caller adds it before the launch; the kernel only reads them). Each head then also attends to
-        the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
+        caller adds it before the launch; the kernel only reads them) unless ``update_sums``. Each head
+        then also attends to the mean-field remainder entry of :mod:`arsparse.policies.remainder`.
     rope : optional (1 or B, D/2, 2) contiguous fp32 cos/sin table (one shared, or one per row): ``q`` and
         ``k_new`` are unrotated and the kernel rotates them as :func:`arsparse.models.rope.apply_rope`
-        would (the cache gets the rotated key). Not with ``rest_sums``, whose sums hold rotated keys.
+        would (the cache gets the rotated key). With ``rest_sums`` it needs ``update_sums`` (the sums
+        hold rotated keys, which only the kernel has).
+    update_sums : with ``rest_sums``, which then hold the sums *before* the new token: the kernel adds the
+        new token (rotated) to them where its image index is past the sinks, and stores them back.
+        Needs one query head per kv head (H == Hkv): each row's sums then have one reader, its writer.
     Returns (B, H, D) in q's dtype; fp32 arithmetic.
     """
     B, H, D = q.shape
@@ -159,11 +163,15 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
                                  f"stride, got {t.dtype} {tuple(t.shape)}")
         if rest_sums[0].stride() != rest_sums[1].stride():
             raise ValueError("rest_sums' k_sum and v_sum must have the same strides")
+    if update_sums and (rest_sums is None or H != Hkv):
+        raise ValueError(f"update_sums=True needs rest_sums= and one query head per kv head, got "
+                         f"{'no rest_sums' if rest_sums is None else f'H={H}, Hkv={Hkv}'}: with grouped "
+                         "heads several programs read a row's sums, so the caller adds the new token")
     if rope is not None:
         check_rope_table(rope, B, D, q.device)
-        if rest_sums is not None:
-            raise ValueError("rope= (rotation in the kernel) and rest_sums= do not go together: the caller's "
-                             "running sums need the rotated key before the launch")
+        if rest_sums is not None and not update_sums:
+            raise ValueError("rope= (rotation in the kernel) and rest_sums= need update_sums=True: running "
+                             "sums the caller updates would need the rotated key before the launch")
     sums = (q, q) if rest_sums is None else rest_sums  # (unused pointers without the remainder)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
     n_off = offsets.shape[1]
@@ -188,8 +196,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     ring_decode_kernel[grid](
         *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows,
         BLOCK_O=merged_tile if merged else ring_tile,
-        HAS_REST=rest_sums is not None, HAS_ROPE=rope is not None, LATE_CAST=cfg.pop("late_cast"),
-        HEADS_FIRST=heads_first,
+        HAS_REST=rest_sums is not None, HAS_ROPE=rope is not None, ADD_NEW=update_sums,
+        LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
         EARLY=cfg.pop("early_loads"), MERGED=merged, ALIGN=_row_alignment(*tensors.values()) if merged else 1,
         **blocks,
         **pdl_args(q.device), **cfg)
