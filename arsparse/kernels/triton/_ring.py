@@ -80,9 +80,9 @@ def _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S, n_read
 
 @triton.jit
 def _added(i, S, ADD_NEW: tl.constexpr):
-    """1.0 where the kernel adds the new token (image index ``i``) to the running sums itself (``ADD_NEW``,
-    past the sinks), else 0.0: the remainder entry's sums less the ring entries read subtract the new
-    token that many times fewer (it is in the sums only once the cache or the kernel added it)."""
+    """1.0 where this kernel adds the new token (image index ``i``) to the running sums (``ADD_NEW``, past
+    the sinks), else 0.0. The sums in memory then lack the token, so the remainder entry subtracts it
+    once fewer than it is read from the ring (the same as adding it to the sums first)."""
     if ADD_NEW:
         return (i >= S).to(tl.float32)
     return 0.0
