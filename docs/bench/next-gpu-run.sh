@@ -1,6 +1,8 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
+#   bash docs/bench/next-gpu-run.sh l   # batch 1: the dense split kernel's merge in the same launch (tests, then
+#                                       # timed against the combine launch), matvec settings under PDL
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
 #                                       # (run 21 timed dense, diagonal and the remainder alone: 3.93 ms, +14 %)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's new settings (block_n, late_cast): kernel sweep,
@@ -25,7 +27,17 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, b or c} in
+case ${1:?l, s, a, b or c} in
+l)  # batch 1: the split kernel's merge by its last split (no combine launch), and matvec settings under PDL
+  timeout 150 python3 -m pytest -q tests/test_cuda.py -k "last_split or fused_dense_kernel or programmatic" 2>&1 \
+    | tail -3 | tee "$OUT/test_cuda.txt"
+  B 240 --image-tokens 576 --batch 1 --matvec --policies "dense;diagonal" --variant dense.fused_combine=1 \
+    --variant matvec.block_k=8192,matvec.max_tile=65536 --variant matvec.num_warps=8 --variant matvec.block_n=8 \
+    --out "$OUT/b1-576.json" | grep "|"
+  B 100 --image-tokens 4096 --batch 1 --matvec --policies "dense;diagonal" --variant dense.fused_combine=1 \
+    --out "$OUT/b1-4096.json" | grep "|"
+  B 100 --image-tokens 576 --batch 8 --compile --policies dense --variant dense.fused_combine=1 --out "$OUT/b8.json" \
+    | grep "|" ;;
 s)
   timeout 240 bash docs/bench/kernel-sweep.sh slots 2>&1 | tail -12
   B 300 --image-tokens 576 --batch 256 --compile --match-budget --policies "dense;h2o;headkv" \
@@ -42,5 +54,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, b or c, got $1"; exit 2 ;;
+*) echo "part l, s, a, b or c, got $1"; exit 2 ;;
 esac
