@@ -148,54 +148,6 @@ def test_fused_dense_kernel_matches_reference_bf16_on_gpu(B, H, Hkv, S, D, pos, 
     _same(inputs[3:5], [want_k, want_v])
 
 
-@pytest.mark.parametrize("B,H,Hkv,S,D,pos", [(1, 20, 20, 577, 64, "rows"), (4, 32, 8, 1120, 100, "rows"),
-                                              (2, 16, 2, 1025, 128, 1024)])
-def test_last_split_merges_in_a_cuda_graph_bf16_on_gpu(B, H, Hkv, S, D, pos, monkeypatch):
-    """The merge by the last split (tickets, ``decode.LAUNCH["fused_combine"]``) replayed 100 times from a
-    CUDA graph, with PDL: each replay's output is the two-launch form's bit for bit, and the tickets end at
-    zero (a ticket drawn out of order, or a partial read before it was stored, would change a replay)."""
-    from arsparse.kernels.triton import decode, decode_attention
-    from conftest import random_decode_case
-
-    monkeypatch.setitem(decode.LAUNCH, "fused_combine", 1)
-    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, torch.bfloat16, 5 * S + D, "cuda")
-    two_launches = decode_attention(*[t.clone() for t in inputs])  # (no tickets: split + combine)
-    tickets = torch.zeros(B, Hkv, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        decode_attention(*inputs, tickets=tickets)  # (compiled outside the capture)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(*inputs, tickets=tickets)
-    for _ in range(100):
-        out.fill_(float("nan"))
-        graph.replay()
-        _same([out], [two_launches.cpu()])
-    _same([tickets, *inputs[3:5]], [torch.zeros(B, Hkv, dtype=torch.int32), want_k, want_v])
-    torch.testing.assert_close(out.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize("matvec", [True, False])
-def test_last_split_merge_changes_no_token_on_gpu(matvec, monkeypatch):
-    """The dense engine's step (latency mode, or the PyTorch blocks at batch 2) in a CUDA graph, bf16: the
-    same tokens and teacher-forced logits, bit for bit, with the splits merged in the split kernel as with
-    the combine launch."""
-    from arsparse.kernels.triton import decode
-
-    model = random_gpt("c2i", seed=17, image_tokens=256, n_kv_head=2)
-    cond = random_cond(model, 2)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 256))
-    runs = []
-    for fused in (0, 1):
-        monkeypatch.setitem(decode.LAUNCH, "fused_combine", fused)
-        gen = Generator(model, device="cuda", dtype="bf16", kernel="triton", matvec=matvec)
-        sampled = gen.sample_tokens(cond, seed=5, cfg_scale=2.0)
-        assert gen._runner.graph is not None and gen._runner.cache.splits > 1
-        runs.append((sampled, gen.cached_logits(cond, tokens)))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-
-
 RING_VARIANTS = {  # ring_decode_attention's launch settings: the engine's, blocks of rows, cache-dtype tiles, grid order
     "engine": None,
     "rows3-late": dict(rows_per_program=3, late_cast=True, num_stages=1),

@@ -60,39 +60,6 @@ def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypat
     _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
 
 
-@pytest.mark.parametrize("B,H,Hkv,S,D,pos,splits", [
-    (2, 4, 4, 200, 64, 150, 4),  # the new token in the third split, the fourth empty
-    (3, 6, 2, 130, 100, "rows", 3),  # GQA, a position per row (0, a split start, the last)
-    (1, 8, 1, 90, 128, 0, 5),  # MQA, the first position: every split but the first empty
-    (2, 2, 2, 70, 64, 40, 1),  # one split: written directly, the tickets untouched
-])
-@pytest.mark.parametrize("launch,dtype", [({}, torch.float32), (DOT, torch.bfloat16)], ids=["engine", "dot-bf16"])
-def test_the_last_split_merges_the_splits_in_the_same_launch(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos,
-                                                              splits, launch, dtype):
-    """With a tickets buffer the split that finishes last merges the splits (no combine launch): the
-    output is the two-launch form's, bit for bit, and the reference's; the cache gets the new token;
-    the tickets are zero again, so a second call on the same buffer gives the same output."""
-    from arsparse.kernels.triton import _decode, decode
-
-    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch, fused_combine=1))
-    tol = TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    inputs, (want, want_k, want_v) = random_decode_case(B, H, Hkv, S, D, pos, dtype, S + 3 * D + B, DEVICE)
-    fresh = [t.clone() for t in inputs]
-    two_launches = decode_attention(*fresh, num_splits=splits)
-    combines = []
-    monkeypatch.setattr(_decode.combine_kernel, "run", lambda *a, **kw: combines.append(1))
-    tickets = torch.zeros(B, Hkv, dtype=torch.int32, device=DEVICE)
-    got = decode_attention(*inputs, num_splits=splits, tickets=tickets)
-    assert not combines  # (one launch)
-    _same([got.cpu()], [two_launches.cpu()])
-    torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
-    _same([inputs[3].cpu(), inputs[4].cpu(), tickets.cpu()], [want_k, want_v, torch.zeros(B, Hkv, dtype=torch.int32)])
-    again = decode_attention(*[t.clone() for t in fresh[:3]], *inputs[3:], num_splits=splits, tickets=tickets)
-    _same([again.cpu(), tickets.cpu()], [got.cpu(), torch.zeros(B, Hkv, dtype=torch.int32)])
-    with pytest.raises(ValueError, match=rf"tickets must be a contiguous int32 \(B={B}, Hkv={Hkv}\)"):
-        decode_attention(*inputs, num_splits=splits, tickets=tickets.long())
-
-
 @pytest.mark.parametrize("small,big", [(64, 128), (16, 64)])
 def test_few_row_head_pairs_take_the_small_tile_and_more_splits(small, big, monkeypatch):
     """Below one (row, kv head) pair per SM (8 off CUDA) the split kernel takes small_block_n tiles,
@@ -127,8 +94,7 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
                       ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),
                       ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
-                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid"),
-                      ('{"fused_combine": 2}', "fused_combine=2 is invalid: must be 0 or 1")):
+                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid")):
         with pytest.raises(ValueError, match=msg):
             decode.parse_launch(text)
 
@@ -383,7 +349,7 @@ PDL_PTX = ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
 def test_dense_kernel_compiles_for_hopper():
     """The split and combine kernels' builds for sm_90 (see conftest.compile_for_hopper): the engine's,
     and with programmatic dependent launch (their PTX must hold its instructions)."""
-    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", TICKETS="*i32",
+    pointers = dict(POS="*i64", SPAN="*i32", O_PART="*fp32", M_PART="*fp32", L_PART="*fp32",
                     **{n: "*bf16" for n in ("Q", "KN", "VN", "K", "V", "OUT")})
     base = dict(G=1, BLOCK_G=1, BLOCK_N=128, BLOCK_D=64, DIRECT=True, HAS_SPAN=False)
     builds = {"engine": (base, 2),
@@ -396,13 +362,7 @@ def test_dense_kernel_compiles_for_hopper():
               # tensor-core products (decode.LAUNCH["dot"])
               "dot": (dict(base, BLOCK_G=16, DOT=True), 2, ["mma.sync"]),
               "dot-gqa-span-pdl": (dict(base, G=4, BLOCK_G=16, BLOCK_N=64, DIRECT=False, HAS_SPAN=True, DOT=True,
-                                        PDL=True), 4, PDL_PTX + ["mma.sync"]),
-              # the last split merges (decode.LAUNCH["fused_combine"]): a gpu-scope acquire-release ticket,
-              # the partials read back from the L2
-              "fused-pdl": (dict(base, BLOCK_N=64, DIRECT=False, PDL=True, FUSED=True, BLOCK_S=16), 2,
-                            PDL_PTX + ["atom.global.gpu.acq_rel.add", "ld.global.cg", "bar.sync"]),
-              "fused-dot-gqa": (dict(base, G=4, BLOCK_G=16, BLOCK_N=64, DIRECT=False, DOT=True, FUSED=True, BLOCK_S=8),
-                                4, ["atom.global.gpu.acq_rel.add", "mma.sync"])}
+                                        PDL=True), 4, PDL_PTX + ["mma.sync"])}
     compile_for_hopper("arsparse.kernels.triton._decode", "decode_split_kernel", pointers, builds)
     combine = {"engine": (dict(BLOCK_S=8, BLOCK_D=64), 4), "pdl": (dict(BLOCK_S=8, BLOCK_D=64, PDL=True), 4, PDL_PTX)}
     compile_for_hopper("arsparse.kernels.triton._decode", "combine_kernel",

@@ -86,13 +86,11 @@ class DenseKVCache(CaptionMask):
         self._slots = torch.arange(self.max_len, device=device)
         self.gqa = cfg.kv_heads != cfg.n_head
         self.phase = "prefill"
-        self.splits = self.tickets = None
+        self.splits = None
         if kernel == "triton":
             from ..kernels.triton.decode import choose_splits
 
             self.splits = choose_splits(rows, cfg.kv_heads, self.max_len, torch.device(device))
-            # (each layer's: the last split of a (row, head) merges the splits, in the same launch)
-            self.tickets = torch.zeros((cfg.n_layer, rows, cfg.kv_heads), dtype=torch.int32, device=device)
 
     @property
     def rows(self) -> int:
@@ -109,7 +107,7 @@ class DenseKVCache(CaptionMask):
             return self._prefill_attention(q, k, v, self.gqa)
         kc, vc = self.k[layer], self.v[layer]  # (B, Hkv, S, D)
         if self.kernel == "triton":
-            return self._decode_triton(q, k, v, kc, vc, self.pos, self.tickets[layer])
+            return self._decode_triton(q, k, v, kc, vc, self.pos)
         kc.index_copy_(2, self.pos.view(1), k)
         vc.index_copy_(2, self.pos.view(1), v)
         mask = (self._slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
@@ -117,15 +115,12 @@ class DenseKVCache(CaptionMask):
             mask = mask & F.pad(self.prompt_keep, (0, self.max_len - self.P), value=True)[:, None, None, :]
         return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=self.gqa)
 
-    def _decode_triton(self, q, k, v, kc, vc, pos, tickets=None):
+    def _decode_triton(self, q, k, v, kc, vc, pos):
         """One kernel writes k, v (B, Hkv, 1, D) at ``pos`` (a scalar or (B,) tensor) and attends over
         positions 0..pos of kc, vc (B, Hkv, S, D), reading nothing past them (nor padded caption
-        positions) -> (B, H, 1, D). ``tickets``: the layer's (rows, Hkv) buffer of the merge in the
-        kernel (:func:`~arsparse.kernels.triton.decode_attention`)."""
+        positions) -> (B, H, 1, D)."""
         from ..kernels.triton import decode_attention
 
-        B = q.shape[0]
-        span = None if self.prompt_span is None else self.prompt_span[:B]
+        span = None if self.prompt_span is None else self.prompt_span[: q.shape[0]]
         return decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], kc, vc, pos, num_splits=self.splits,
-                                prompt_span=span, prompt_len=self.P,
-                                tickets=None if tickets is None else tickets[:B]).unsqueeze(2)
+                                prompt_span=span, prompt_len=self.P).unsqueeze(2)

@@ -113,7 +113,7 @@ class RowDenseKVCache(_RowMasks, DenseKVCache):
         pos = self.pos[:B]  # (B,)
         kc, vc = self.k[layer, :B], self.v[layer, :B]  # (B, Hkv, S, D)
         if self.kernel == "triton":
-            return self._decode_triton(q, k, v, kc, vc, pos, self.tickets[layer])
+            return self._decode_triton(q, k, v, kc, vc, pos)
         _scatter_at(kc, pos, k)
         _scatter_at(vc, pos, v)
         mask = (self._slots[None, :] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, S)

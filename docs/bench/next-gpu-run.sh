@@ -1,8 +1,6 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh l   # batch 1: the dense split kernel's merge in the same launch (tests, then
-#                                       # timed against the combine launch), matvec settings under PDL
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process, diagonal's remainder entry too
 #                                       # (run 21 timed dense, diagonal and the remainder alone: 3.93 ms, +14 %)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's new settings (block_n, late_cast): kernel sweep,
@@ -12,14 +10,13 @@
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). If s finds a faster setting,
 # make it slots.LAUNCH's default and run c again.
-# The quality calls (issue 5). Emoji's headkv row and sweep at 3,000 samples (`bash docs/eval/fd-infinity.sh
-# prepare emoji`, park what it lists, carry .ft; run 19's call measured the other baselines):
-#   SAMPLES=3000 POLICIES=headkv bash docs/eval/fd-infinity.sh run emoji
-#   SAMPLES=3000 POLICIES=diagonal,streaming RHOS=0.12,0.18,0.25 bash docs/eval/fd-infinity.sh sweep emoji
-# Fashion's Fréchet gap on the shipped weights: session 24 ran both recipes from them (+12.5 % and +14.4 %
-# left; from random weights they closed it, session 23). The scored baselines' NLL crossings on fashion
-# were measured in session 24 (export ARSPARSE_DATA to the unpacked data, or the sweep scores the
-# model's own samples).
+# The quality calls (issue 5): emoji's headkv row and the scored baselines' NLL crossings on emoji ran in
+# session 25 (run 22's call). Fashion's Fréchet gap on the shipped weights: session 24 ran both recipes
+# from them (+12.5 % and +14.4 % left; from random weights they closed it, session 23). A sweep of
+# emoji's baselines on the Fréchet distances (`POLICIES=lines,h2o RHOS=0.25,0.35 SAMPLES=3000 bash
+# docs/eval/fd-infinity.sh sweep emoji`, after `prepare emoji`, parking what it lists, carrying .ft)
+# would give their crossings there too (export ARSPARSE_DATA to the unpacked data for an NLL sweep,
+# or it scores the model's own samples).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -27,17 +24,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?l, s, a, b or c} in
-l)  # batch 1: the split kernel's merge by its last split (no combine launch), and matvec settings under PDL
-  timeout 150 python3 -m pytest -q tests/test_cuda.py -k "last_split or fused_dense_kernel or programmatic" 2>&1 \
-    | tail -3 | tee "$OUT/test_cuda.txt"
-  B 240 --image-tokens 576 --batch 1 --matvec --policies "dense;diagonal" --variant dense.fused_combine=1 \
-    --variant matvec.block_k=8192,matvec.max_tile=65536 --variant matvec.num_warps=8 --variant matvec.block_n=8 \
-    --out "$OUT/b1-576.json" | grep "|"
-  B 100 --image-tokens 4096 --batch 1 --matvec --policies "dense;diagonal" --variant dense.fused_combine=1 \
-    --out "$OUT/b1-4096.json" | grep "|"
-  B 100 --image-tokens 576 --batch 8 --compile --policies dense --variant dense.fused_combine=1 --out "$OUT/b8.json" \
-    | grep "|" ;;
+case ${1:?s, a, b or c} in
 s)
   timeout 240 bash docs/bench/kernel-sweep.sh slots 2>&1 | tail -12
   B 300 --image-tokens 576 --batch 256 --compile --match-budget --policies "dense;h2o;headkv" \
@@ -54,5 +41,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part l, s, a, b or c, got $1"; exit 2 ;;
+*) echo "part s, a, b or c, got $1"; exit 2 ;;
 esac

@@ -73,13 +73,13 @@ def _attend_tile(k, v, nmask, q, m, l, acc, GUARD: tl.constexpr, MHA: tl.constex
 
 @triton.jit
 def decode_split_kernel(
-    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT, TICKETS,
+    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -92,11 +92,7 @@ def decode_split_kernel(
     (Loading the first tile before that wait made the batch-1 dense step slower, 1.105 -> 1.188 ms:
     BENCHMARKS run 11.) ``DOT``: the products on tensor cores (BLOCK_G >= 16; see :func:`_attend_tile`),
     positions in 32 bits. ``PREFETCH``: each pass of the loop issues the next tile's loads before it
-    reduces the current tile (two tiles in registers), so loads and arithmetic overlap. ``FUSED`` (not
-    ``DIRECT``): the split that finishes last for its (row, kv head) merges the splits itself, so no
-    combine launch follows: each split stores its partials, then takes a ticket (TICKETS (B, Hkv) int32,
-    zero on entry); the one that draws ``splits - 1`` reads every partial back (past the L1) and sets the
-    ticket to zero again for the next call.
+    reduces the current tile (two tiles in registers), so loads and arithmetic overlap.
     """
     launch_next(PDL)
     wait_prior(PDL)
@@ -185,13 +181,6 @@ def decode_split_kernel(
         tl.store(O_PART + b * so_b + heads[:, None] * so_h + sp * so_s + offs_d[None, :], acc, mask=hd_mask)
         tl.store(M_PART + b * sm_b + heads * sm_h + sp, m, mask=gmask)
         tl.store(L_PART + b * sm_b + heads * sm_h + sp, l, mask=gmask)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partials stored before the ticket (released with it)
-            ticket = tl.atomic_add(TICKETS + b * tl.num_programs(1) + hk, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(2) - 1:  # the last of the (row, kv head)'s splits to finish
-                _combine(O_PART, M_PART, L_PART, OUT, b, heads, gmask, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
-                         tl.num_programs(2), D, BLOCK_S, BLOCK_D)
-                tl.store(TICKETS + b * tl.num_programs(1) + hk, 0)
 
 
 @triton.jit
@@ -202,13 +191,12 @@ def _combine(O_PART, M_PART, L_PART, OUT, b, heads, hmask, so_b, so_h, so_s, sm_
     offs_d = tl.arange(0, BLOCK_D)
     smask = hmask[:, None] & (offs_s < splits)[None, :]  # (BH, BS)
     ml_off = b * sm_b + heads[:, None] * sm_h + offs_s[None, :]
-    m = tl.load(M_PART + ml_off, mask=smask, other=float("-inf"), cache_modifier=".cg")  # (.cg: from the L2,
-    l = tl.load(L_PART + ml_off, mask=smask, other=0.0, cache_modifier=".cg")  # where other SMs' partials are)
+    m = tl.load(M_PART + ml_off, mask=smask, other=float("-inf"))
+    l = tl.load(L_PART + ml_off, mask=smask, other=0.0)
     m_max = tl.max(m, axis=1)
     w = tl.where(l > 0, tl.exp(m - m_max[:, None]), tl.zeros_like(l))  # empty splits (m = -inf) weigh nothing
     acc = tl.load(O_PART + b * so_b + heads[:, None, None] * so_h + offs_s[None, :, None] * so_s
-                  + offs_d[None, None, :], mask=smask[:, :, None] & (offs_d < D)[None, None, :], other=0.0,
-                  cache_modifier=".cg")
+                  + offs_d[None, None, :], mask=smask[:, :, None] & (offs_d < D)[None, None, :], other=0.0)
     out = tl.sum(acc * w[:, :, None], axis=1) / tl.sum(l * w, axis=1)[:, None]  # (BH, BD)
     tl.store(OUT + b * sout_b + heads[:, None] * sout_h + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=hmask[:, None] & (offs_d < D)[None, :])

@@ -17,19 +17,17 @@ from .settings import parse_tile_launch
 #: and twice the splits (sweep run 9, 2 rows: 6.4 against 8.6 us a call), and ``small_dot`` 0 (run 16:
 #: batch 1 1.109 ms, 1.184 with tensor cores). Warps, stages. ``prefetch`` 1: each pass of the loop loads
 #: the next tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or
-#: less, 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off).
-#: ``fused_combine`` 1: with a tickets buffer (the dense cache's), the split that finishes last merges
-#: the splits, in place of a second launch (checked in the interpreter and built for sm_90; off until
-#: timed and checked on the H200: ``docs/bench/next-gpu-run.sh l``).
-LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0,
-              fused_combine=0)
+#: less, 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off). (The
+#: split that finishes last merging the splits, by tickets, in place of the combine launch: run 22, batch 1
+#: 1.110 -> 1.096 ms at 576 tokens, 1.433 -> 1.440 at 4,096, batch 8 1.725 -> 1.757: removed.)
+LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0)
 
 
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
     powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
     --variant dense.KEY=VALUE``."""
-    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch", "fused_combine"))
+    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"))
 
 
 def sm_count(device: torch.device) -> int:
@@ -115,7 +113,7 @@ def check_new_kv(k_new: torch.Tensor, v_new: torch.Tensor, B: int, Hkv: int, D: 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, pos: torch.Tensor, scale: float | None = None,
                      num_splits: int | None = None, prompt_span: torch.Tensor | None = None,
-                     prompt_len: int = 0, tickets: torch.Tensor | None = None) -> torch.Tensor:
+                     prompt_len: int = 0) -> torch.Tensor:
     """Write the new token at ``pos`` and attend over cache positions ``0..pos``, in one kernel.
 
     The cache is read only below ``pos``; the new token's K/V are written to slot ``pos`` and used
@@ -131,10 +129,6 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads prompt positions
         (those below ``prompt_len``) only in ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty
         range; padded positions are not read. None (the default): no padding, no extra loads.
-    tickets : optional (B, Hkv) contiguous int32 on q's device, zero (the kernel leaves it zero): with
-        ``LAUNCH["fused_combine"]`` the splits count themselves in it and the last one merges them, so a
-        step of several splits is one launch, not two (see the split kernel's ``FUSED``). One buffer per
-        layer of a CUDA graph's step, or per stream: calls in flight at once must not share it.
     Returns (B, H, D) in q's dtype; fp32 accumulation.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -155,10 +149,6 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         check_prompt_span(prompt_span, B, q.device)
         if not 1 <= prompt_len <= S:
             raise ValueError(f"prompt_len must be in 1..{S} (the cache length) with a prompt_span, got {prompt_len}")
-    if tickets is not None and (tickets.dtype != torch.int32 or tuple(tickets.shape) != (B, Hkv)
-                                or not tickets.is_contiguous() or tickets.device != q.device):
-        raise ValueError(f"tickets must be a contiguous int32 (B={B}, Hkv={Hkv}) tensor on {q.device}, "
-                         f"got {tickets.dtype} {tuple(tickets.shape)} on {tickets.device}")
     G = H // Hkv
     splits = num_splits or choose_splits(B, Hkv, S, q.device)
     bn = block_n(B, Hkv, q.device)
@@ -177,10 +167,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_d = max(16 if dot else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
     block_g = max(16 if dot else 1, triton.next_power_of_2(G))  # columns at least)
     scale = D**-0.5 if scale is None else scale
-    fused = not direct and tickets is not None and bool(LAUNCH["fused_combine"])
     decode_split_kernel[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
-        o_part, m_part, l_part, out, tickets if fused else pos,
+        o_part, m_part, l_part, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), spos,
@@ -188,11 +177,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1),
         S, scale, chunk, D, prompt_len,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        DOT=dot, IEEE=dot and q.dtype == torch.float32, PREFETCH=bool(LAUNCH["prefetch"]), FUSED=fused,
-        BLOCK_S=triton.next_power_of_2(splits), **pdl_args(q.device),
+        DOT=dot, IEEE=dot and q.dtype == torch.float32, PREFETCH=bool(LAUNCH["prefetch"]), **pdl_args(q.device),
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )
-    if not direct and not fused:
+    if not direct:
         combine_kernel[(B, H)](
             o_part, m_part, l_part, out,
             o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
