@@ -12,11 +12,11 @@
 # make it slots.LAUNCH's default and run c again.
 # The quality calls (issue 5): emoji's headkv row and the scored baselines' NLL crossings on emoji ran in
 # session 25 (run 22's call). Fashion's Fréchet gap on the shipped weights: session 24 ran both recipes
-# from them (+12.5 % and +14.4 % left; from random weights they closed it, session 23). A sweep of
-# emoji's baselines on the Fréchet distances (`POLICIES=lines,h2o RHOS=0.25,0.35 SAMPLES=3000 bash
-# docs/eval/fd-infinity.sh sweep emoji`, after `prepare emoji`, parking what it lists, carrying .ft)
-# would give their crossings there too (export ARSPARSE_DATA to the unpacked data for an NLL sweep,
-# or it scores the model's own samples).
+# from them (+12.5 % and +14.4 % left; from random weights they closed it, session 23). Emoji's baselines
+# on the samples were swept at 0.25 only (lines, h2o; session 25): `POLICIES=lines,headkv,tova
+# RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji` (after `prepare emoji`, parking
+# what it lists, carrying .ft) would add the rest (export ARSPARSE_DATA to the unpacked data for an NLL
+# sweep, or it scores the model's own samples).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
