@@ -8,6 +8,7 @@
 #                                       # kernel reads at 47 % of the copy bandwidth, the ring kernel 68 %)
 #   bash docs/bench/next-gpu-run.sh a   # the GPU tests of every kernel and the compiled step
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens
+#   bash docs/bench/next-gpu-run.sh k   # batch 1: dense attention in one split below 640 keys (no combine launch)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). If s finds a faster setting,
 # make it slots.LAUNCH's default and run c again.
 # The quality calls (issue 5): emoji's headkv row and the scored baselines' NLL crossings on emoji ran in
@@ -24,7 +25,15 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, b or c} in
+case ${1:?s, a, b, c or k} in
+k)  # (decode.LAUNCH["split_keys"]: the fewest keys a split takes at batch 1; 640 puts 577 positions in one split)
+  timeout 150 python3 -m pytest -q tests/test_cuda.py -k "programmatic or fused_dense_kernel" 2>&1 | tail -3 \
+    | tee "$OUT/test_cuda.txt"
+  B 250 --image-tokens 576 --batch 1 --matvec --policies dense --variant dense.split_keys=640 \
+    --variant dense.split_keys=640,dense.small_block_n=128 --variant dense.split_keys=640,dense.num_warps=4 \
+    --variant dense.split_keys=640,dense.num_stages=4 --variant dense.split_keys=320 --out "$OUT/b1-576.json" | grep "|"
+  B 150 --image-tokens 4096 --batch 1 --matvec --policies dense --variant dense.split_keys=640 \
+    --variant dense.split_keys=1024 --out "$OUT/b1-4096.json" | grep "|" ;;
 s)
   timeout 240 bash docs/bench/kernel-sweep.sh slots 2>&1 | tail -12
   B 300 --image-tokens 576 --batch 256 --compile --match-budget --policies "dense;h2o;headkv" \
@@ -41,5 +50,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, b or c, got $1"; exit 2 ;;
+*) echo "part s, a, b, c or k, got $1"; exit 2 ;;
 esac
