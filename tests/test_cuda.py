@@ -370,17 +370,16 @@ def test_matvec_blocks_decode_matches_full_forward_on_gpu(dtype, tol):
     assert (got - want).norm() / want.norm() < tol
 
 
-@pytest.mark.parametrize("policy,early,merged,split_keys", [
-    (None, False, True, 0), (None, False, True, 1024), ("diagonal", False, True, 0), ("diagonal", True, True, 0),
-    ("diagonal", True, False, 0)])
-def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, merged, split_keys, monkeypatch):
+@pytest.mark.parametrize("policy,early,merged", [(None, False, True), ("diagonal", False, True),
+                                                 ("diagonal", True, True), ("diagonal", True, False)])
+def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, merged, monkeypatch):
     """PDL (kernels/triton/_pdl.py): each decode kernel starts beside the last programs of the one
     before and waits for it before reading what the step writes. Latency mode in bf16 (matvec, split +
     combine or ring kernels back to back), the step in a CUDA graph: the same tokens and teacher-forced
     logits, bit for bit, as plain launches (a read before its input was written would change them).
     ``early``: the ring kernel's gathers issued before its wait (``ring.LAUNCH["early_loads"]``); ``merged``:
-    its one-tile form; ``split_keys`` 1024: dense attention in one split that writes its output (no combine)."""
-    from arsparse.kernels.triton import _pdl, decode, ring
+    its one-tile form."""
+    from arsparse.kernels.triton import _pdl, ring
 
     model = random_gpt("c2i", seed=16, image_tokens=256, n_kv_head=2)
     cond = random_cond(model, 2)
@@ -388,7 +387,6 @@ def test_programmatic_dependent_launch_changes_no_token_on_gpu(policy, early, me
     make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy,  # noqa: E731
                              matvec=True)
     monkeypatch.setitem(ring.LAUNCH, "merged", merged)
-    monkeypatch.setitem(decode.LAUNCH, "split_keys", split_keys)
     monkeypatch.setattr(_pdl, "ENABLED", 0)
     plain = make()
     want, want_logits = plain.sample_tokens(cond, seed=5, cfg_scale=2.0), plain.cached_logits(cond, tokens)

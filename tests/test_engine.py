@@ -176,3 +176,28 @@ def test_half_precision_runs_close_to_fp32():
     low = Generator(model, device="cpu", dtype="bf16").cached_logits(cond, tokens)
     assert low.dtype == torch.float32
     assert (low - ref).norm() / ref.norm() < 0.05
+
+
+def test_compiled_engine_outlives_torch_default_recompile_limit():
+    """Each batch is its own compiled program of the same block halves (fullgraph) and sampling: with
+    torch's limit of programs per function set low, a new batch past it would fail to compile (or run
+    its sampling eagerly); the engine raises the limit, so every batch compiles and samples as eager."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from arsparse.engine import generator
+
+    name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+    dynamo.reset()
+    counters.clear()
+    model = random_gpt("c2i", seed=int(torch.randint(0, 1000, ())), image_tokens=4)
+    graphs = []
+    with dynamo.config.patch(**{name: 1}):  # (restored on exit, the engine's raise included)
+        for n in (1, 2, 3):
+            cond = random_cond(model, n)
+            got = Generator(model, device="cpu", dtype="fp32", compile=True).sample_tokens(cond, seed=n, top_k=1)
+            graphs.append(counters["stats"]["unique_graphs"])
+            want = Generator(model, device="cpu", dtype="fp32").sample_tokens(cond, seed=n, top_k=1)
+            assert torch.equal(got, want)  # greedy: compiled and eager arithmetic agree on the argmax
+        assert getattr(dynamo.config, name) >= generator.RECOMPILE_LIMIT
+    assert graphs[0] < graphs[1] < graphs[2]  # each batch compiled its own programs, none ran eagerly

@@ -72,10 +72,6 @@ def test_few_row_head_pairs_take_the_small_tile_and_more_splits(small, big, monk
     assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // small)  # 32 wanted
     assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // big)  # 4 wanted
     assert decode.choose_splits(8, 1, 200, cpu, tile=16) == 4 and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
-    keys = int(torch.randint(small + 1, 200, ()))  # split_keys: the fewest keys a split takes below a pair per SM
-    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, split_keys=keys))
-    assert decode.choose_splits(1, 1, 200, cpu) == -(-200 // keys) and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
-    assert decode.choose_splits(8, 1, 200, cpu) == -(-200 // big)  # pairs that fill the GPU ignore it
 
 
 @pytest.mark.parametrize("dot,small_dot", [(1, 0), (0, 1)])
@@ -94,13 +90,11 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
 
     assert decode.parse_launch('{"block_n": 64, "prefetch": 1}') == dict(decode.LAUNCH, block_n=64, prefetch=1)
     assert decode.parse_launch("{}") == decode.LAUNCH
-    assert decode.parse_launch('{"split_keys": 600}') == dict(decode.LAUNCH, split_keys=600)
     for text, msg in (("block_n=64", "must be a JSON object"), ('{"warps": 2}', r"keys from \['block_n'"),
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
                       ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),
                       ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
-                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid"),
-                      ('{"split_keys": -1}', "split_keys=-1 is invalid: must be an int >= 0")):
+                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid")):
         with pytest.raises(ValueError, match=msg):
             decode.parse_launch(text)
 

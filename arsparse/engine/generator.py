@@ -28,6 +28,20 @@ def resolve_device(device) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+#: Compiled programs each compiled function may hold. Every batch bucket, policy and model shape is a
+#: program of its own of the same functions (the block halves, the sampling, a scored cache's
+#: bookkeeping); at torch's default of 8 a process that benches 4 batches of 3 policies would meet the
+#: 9th as an error (the blocks: ``fullgraph``) or, silently, as eager kernels (the sampling).
+RECOMPILE_LIMIT = 256
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Raise torch's per-function limit of compiled programs to at least ``limit``."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+    setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -294,6 +308,8 @@ class Generator:
                              f"under TRITON_INTERPRET=1); got compile={compile!r}, device {self.device}")
         # the sampling compiled too: with the blocks, or beside the matvec blocks on a GPU
         self._compile_step = self.compile or (matvec and self.device.type == "cuda")
+        if self._compile_step:
+            allow_recompiles()
         if self.compile:
             self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
         elif matvec:

@@ -19,20 +19,17 @@ from .settings import parse_tile_launch
 #: the next tile before it attends over this one (registers for two tiles: use it with ``block_n`` 64 or
 #: less, 128-key tiles spill; run 14, with 64-key tiles: 9.75 against 9.27 ms without, so off). (The
 #: split that finishes last merging the splits, by tickets, in place of the combine launch: run 22, batch 1
-#: 1.110 -> 1.096 ms at 576 tokens, 1.433 -> 1.440 at 4,096, batch 8 1.725 -> 1.757: removed.)
-#: ``split_keys``: below one pair per SM, the fewest keys a split takes (0: one tile), so that a short
-#: cache is read by one split that writes the output itself, with no combine launch.
-LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0,
-              split_keys=0)
+#: 1.110 -> 1.096 ms at 576 tokens, 1.433 -> 1.440 at 4,096, batch 8 1.725 -> 1.757: removed. Fewer,
+#: longer splits at batch 1, one per (row, head) below 640 keys with no combine launch: 1.286 ms, two
+#: 1.263, run 23 at 2f1368a: removed.)
+LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0)
 
 
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
-    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1, ``split_keys`` an
-    int >= 0). For ``arsparse bench
+    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
     --variant dense.KEY=VALUE``."""
-    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"),
-                             counts=("split_keys",))
+    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"))
 
 
 def sm_count(device: torch.device) -> int:
@@ -58,14 +55,9 @@ def tensor_cores(rows: int, kv_heads: int, device: torch.device) -> bool:
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, tile: int | None = None) -> int:
     """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each
-    (``tile`` keys: the split kernel's :func:`block_n`, or ``LAUNCH["split_keys"]`` below one pair per SM,
-    unless given, as the slot kernel gives its own)."""
+    (``tile`` keys: the split kernel's :func:`block_n` unless given, as the slot kernel gives its own)."""
     want = max(1, -(-4 * sm_count(device) // (rows * kv_heads)))
-    if tile is None:
-        tile = block_n(rows, kv_heads, device)
-        if not fills_gpu(rows, kv_heads, device):
-            tile = max(tile, LAUNCH["split_keys"])
-    return max(1, min(want, -(-max_len // tile), 64))
+    return max(1, min(want, -(-max_len // (tile or block_n(rows, kv_heads, device))), 64))
 
 
 def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:

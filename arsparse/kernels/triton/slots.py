@@ -10,9 +10,10 @@ from .settings import parse_tile_launch
 
 BLOCK_C = 64  # slots per block of the weights pass
 #: Launch options of the split pass: ``block_n`` slots per block, ``late_cast`` (K/V tiles in the
-#: cache's dtype until the products, as the ring kernel's), warps and stages (warps and stages chosen
-#: by a sweep on an H200, BENCHMARKS.md run 3; ``arsparse bench --variant slots.KEY=INT``).
-LAUNCH = dict(block_n=64, late_cast=0, num_warps=2, num_stages=3)
+#: cache's dtype until the products, as the ring kernel's), warps and stages (chosen by a sweep on an
+#: H200, BENCHMARKS.md run 23: 32-slot blocks and one warp 102 -> 73 us a layer at batch 256, h2o's
+#: step 6.80 -> 5.83 ms, headkv's 7.55 -> 6.48; ``arsparse bench --variant slots.KEY=INT``).
+LAUNCH = dict(block_n=32, late_cast=0, num_warps=1, num_stages=2)
 COMBINE_LAUNCH = dict(num_warps=4)
 
 
