@@ -181,13 +181,14 @@ def test_half_precision_runs_close_to_fp32():
 def test_compiled_engine_outlives_torch_default_recompile_limit():
     """Each batch is its own compiled program of the same block halves (fullgraph) and sampling: with
     torch's limit of programs per function set low, a new batch past it would fail to compile (or run
-    its sampling eagerly); the engine raises the limit, so every batch compiles and samples as eager."""
+    its sampling eagerly); the engine raises the limit, so every batch compiles and samples what the
+    eager engine samples."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
     from arsparse.engine import generator
 
-    name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+    name = generator.recompile_limit_name()
     dynamo.reset()
     counters.clear()
     model = random_gpt("c2i", seed=int(torch.randint(0, 1000, ())), image_tokens=4)

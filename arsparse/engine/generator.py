@@ -35,10 +35,14 @@ def resolve_device(device) -> torch.device:
 RECOMPILE_LIMIT = 256
 
 
+def recompile_limit_name() -> str:
+    """The name of that limit in ``torch._dynamo.config`` (``cache_size_limit`` before torch 2.6)."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
 def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     """Raise torch's per-function limit of compiled programs to at least ``limit``."""
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (torch < 2.6)
+    cfg, name = torch._dynamo.config, recompile_limit_name()
     setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
