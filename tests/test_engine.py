@@ -193,12 +193,15 @@ def test_compiled_engine_outlives_torch_default_recompile_limit():
     counters.clear()
     model = random_gpt("c2i", seed=int(torch.randint(0, 1000, ())), image_tokens=4)
     graphs = []
-    with dynamo.config.patch(**{name: 1}):  # (restored on exit, the engine's raise included)
-        for n in (1, 2, 3):
-            cond = random_cond(model, n)
-            got = Generator(model, device="cpu", dtype="fp32", compile=True).sample_tokens(cond, seed=n, top_k=1)
-            graphs.append(counters["stats"]["unique_graphs"])
-            want = Generator(model, device="cpu", dtype="fp32").sample_tokens(cond, seed=n, top_k=1)
-            assert torch.equal(got, want)  # greedy: compiled and eager arithmetic agree on the argmax
-        assert getattr(dynamo.config, name) >= generator.RECOMPILE_LIMIT
+    try:
+        with dynamo.config.patch(**{name: 1}):  # (restored on exit, the engine's raise included)
+            for n in (1, 2, 3):
+                cond = random_cond(model, n)
+                got = Generator(model, device="cpu", dtype="fp32", compile=True).sample_tokens(cond, seed=n, top_k=1)
+                graphs.append(counters["stats"]["unique_graphs"])
+                want = Generator(model, device="cpu", dtype="fp32").sample_tokens(cond, seed=n, top_k=1)
+                assert torch.equal(got, want)  # greedy: compiled and eager arithmetic agree on the argmax
+            assert getattr(dynamo.config, name) >= generator.RECOMPILE_LIMIT
+    finally:  # (its programs would count towards the limit of later tests that compile without the engine)
+        dynamo.reset()
     assert graphs[0] < graphs[1] < graphs[2]  # each batch compiled its own programs, none ran eagerly
