@@ -1,23 +1,20 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
-# 10 minutes), in this order of priority:
-#   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (run 23: one order-dependent failure,
-#                                       # tests 66-96 alone passed; the engine's recompile limit is raised since)
-#   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (not reached in run 23's 560 s)
-#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (the scored
-#                                       # policies with run 23's slot settings)
+# 10 minutes). Run 24 ran a and t whole (91 + 175 passed); run them again after any change to the GPU code:
+#   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (331 s in run 24)
+#   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
+#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (last run
+#                                       # in run 17; the ring kernel has changed since)
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process (ran in run 23: 58-93 s)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's settings: sweep, then h2o and headkv in whole steps
-#                                       # with the best (run 23: 32-slot blocks, one warp, now the default)
-# (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). If s finds a faster setting,
-# make it slots.LAUNCH's default and run c again.
-# The quality calls (issue 5): emoji's headkv row and the scored baselines' NLL crossings on emoji ran in
-# session 25 (run 22's call). Fashion's Fréchet gap on the shipped weights: session 24 ran both recipes
-# from them (+12.5 % and +14.4 % left; from random weights they closed it, session 23). Emoji's baselines
-# on the samples were swept at 0.25 only (lines, h2o; session 25): `POLICIES=lines,headkv,tova
-# RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji` (after `prepare emoji`, parking
-# what it lists, carrying .ft) would add the rest (export ARSPARSE_DATA to the unpacked data for an NLL
-# sweep, or it scores the model's own samples).
+# (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
+# A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
+# call, or copy only the .md and .json of each.
+# The quality calls (issue 5): emoji's samples for tova past 0.103 and for lines past 0.25
+# (`POLICIES=tova RHOS=0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji`, after `prepare emoji`,
+# parking what it lists and docs/bench/run*/, carrying .ft; about 100 s a policy and budget plus 105 s
+# for dense). Export ARSPARSE_DATA to the unpacked data for an NLL sweep, or it scores the model's own
+# samples.
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -34,7 +31,7 @@ a|t)  # (the kernels against the reference: bench does not check outputs. All 25
   # a runs tests/test_cuda.py, t the kernel tests; the whole log goes to $OUT, failures are printed by name)
   if [ "$1" = a ]; then tests=tests/test_cuda.py; else tests="tests/test_kernels.py tests/test_kernel_slots.py
     tests/test_policies.py::test_scored_cache_bookkeeping_compiles_once_across_a_graph_break"; fi
-  timeout 560 python3 -m pytest -q -rf --tb=short $tests > "$OUT/test_cuda_$1.txt" 2>&1
+  timeout ${TLIM:-560} python3 -m pytest -q -rf --tb=short $tests > "$OUT/test_cuda_$1.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_cuda_$1.txt" | tail -20 ;;
 c)
   # (--match-budget: each at diagonal's memory, headkv's padded tables included; run 18 gave every policy
