@@ -15,7 +15,7 @@ what both trainers do alike:
   (:func:`out_of_time` keeps room for a step, a due evaluation and a save), so that a run can be
   split into short commands that resume each other exactly.
 
-The config it reads is a trainer config with the fields :func:`~arsparse.training.trainer.check_run_fields`
+The config it reads is a trainer config with the fields :class:`~arsparse.training.trainer.RunConfig`
 validates, plus ``to_dict()``.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ class TrainLoop:
     Parameters
     ----------
     cfg
-        The trainer config (run-control fields as :func:`~arsparse.training.trainer.check_run_fields`).
+        The trainer config (run-control fields as :class:`~arsparse.training.trainer.RunConfig`).
     model, opt
         What is trained, and its optimiser (the loop sets its learning rate each step).
     t_start : float

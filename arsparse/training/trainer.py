@@ -88,51 +88,87 @@ SPARSE_LOSSES = ("data", "distill")
 SPARSE_MIXES = ("sum", "split")
 
 
-def check_run_fields(cfg, bad) -> None:
-    """Validate the optimisation and run-control fields every trainer config shares (``bad(msg)`` raises).
+@dataclass
+class RunConfig:
+    """The optimisation and run-control fields every trainer config shares (GPT and VQ).
 
-    ``out_dir``, ``steps``, ``batch_size``, ``lr``, ``min_lr_ratio``, ``warmup``, ``weight_decay``,
-    ``betas``, ``grad_clip``, ``seed``, ``ckpt_every`` / ``eval_every`` / ``log_every``,
-    ``eval_samples``, ``time_limit_s``, ``device``, ``export_dtype``; normalises ``out_dir`` to a
-    string and ``betas`` to a tuple.
+    ``out_dir``; ``steps``, ``batch_size``, ``lr``, ``min_lr_ratio``, ``warmup``, ``weight_decay``,
+    ``betas``, ``grad_clip`` (see :class:`TrainConfig`); ``hflip``; ``bf16`` autocast (``None``: on
+    for CUDA); ``compile``, ``seed``, ``ckpt_every`` / ``eval_every`` / ``log_every``,
+    ``eval_samples``, ``time_limit_s``, ``device``, ``export_dtype``, ``progress``, ``dataset``.
+    Subclasses call :meth:`check_run_fields` from their ``__post_init__``.
     """
-    if not isinstance(cfg.out_dir, (str, os.PathLike)) or not str(cfg.out_dir):
-        bad(f"out_dir must be a path, got {cfg.out_dir!r}")
-    cfg.out_dir = str(cfg.out_dir)
-    for f in ("steps", "batch_size", "ckpt_every", "eval_every", "log_every"):
-        v = getattr(cfg, f)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            bad(f"{f} must be a positive int, got {v!r}")
-    if isinstance(cfg.warmup, bool) or not isinstance(cfg.warmup, int) or not 0 <= cfg.warmup <= cfg.steps:
-        bad(f"warmup must be an int in [0, steps={cfg.steps}], got {cfg.warmup!r}")
-    if not (isinstance(cfg.lr, (int, float)) and math.isfinite(cfg.lr) and cfg.lr > 0):
-        bad(f"lr must be a positive number, got {cfg.lr!r}")
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        bad(f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio!r}")
-    if not 0.0 <= cfg.weight_decay < 1.0:
-        bad(f"weight_decay must be in [0, 1), got {cfg.weight_decay!r}")
-    cfg.betas = tuple(float(b) for b in cfg.betas)
-    if len(cfg.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.betas):
-        bad(f"betas must be two numbers in [0, 1), got {cfg.betas!r}")
-    if not cfg.grad_clip >= 0.0:
-        bad(f"grad_clip must be >= 0 (0 disables clipping), got {cfg.grad_clip!r}")
-    if cfg.eval_samples is not None and (isinstance(cfg.eval_samples, bool) or
-                                         not isinstance(cfg.eval_samples, int) or cfg.eval_samples < 1):
-        bad(f"eval_samples must be a positive int or None, got {cfg.eval_samples!r}")
-    if cfg.time_limit_s is not None and not cfg.time_limit_s > 0:
-        bad(f"time_limit_s must be > 0 or None, got {cfg.time_limit_s!r}")
-    if cfg.export_dtype not in _DTYPES:
-        bad(f"export_dtype must be one of {sorted(_DTYPES)}, got {cfg.export_dtype!r}")
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
-        bad(f"seed must be a non-negative int, got {cfg.seed!r}")
-    try:
-        torch.device(cfg.device)
-    except (RuntimeError, TypeError) as exc:
-        bad(f"device {cfg.device!r} is not a torch device ({exc})")
+
+    out_dir: str
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    hflip: bool = False
+    bf16: bool | None = None
+    compile: bool = False
+    seed: int = 0
+    ckpt_every: int = 1000
+    eval_every: int = 500
+    log_every: int = 50
+    eval_samples: int | None = None
+    time_limit_s: float | None = None
+    device: str = "cpu"
+    export_dtype: str = "bf16"
+    progress: bool = True
+    dataset: str | None = None
+
+    def check_run_fields(self, bad) -> None:
+        """Validate the fields above (``bad(msg)`` raises); ``out_dir`` becomes a string, ``betas`` a tuple."""
+        if not isinstance(self.out_dir, (str, os.PathLike)) or not str(self.out_dir):
+            bad(f"out_dir must be a path, got {self.out_dir!r}")
+        self.out_dir = str(self.out_dir)
+        for f in ("steps", "batch_size", "ckpt_every", "eval_every", "log_every"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(f"{f} must be a positive int, got {v!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps:
+            bad(f"warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            bad(f"lr must be a positive number, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            bad(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 <= self.weight_decay < 1.0:
+            bad(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            bad(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.grad_clip >= 0.0:
+            bad(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip!r}")
+        if self.eval_samples is not None and (isinstance(self.eval_samples, bool) or
+                                              not isinstance(self.eval_samples, int) or self.eval_samples < 1):
+            bad(f"eval_samples must be a positive int or None, got {self.eval_samples!r}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            bad(f"time_limit_s must be > 0 or None, got {self.time_limit_s!r}")
+        if self.export_dtype not in _DTYPES:
+            bad(f"export_dtype must be one of {sorted(_DTYPES)}, got {self.export_dtype!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            bad(f"seed must be a non-negative int, got {self.seed!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            bad(f"device {self.device!r} is not a torch device ({exc})")
+
+    def use_bf16(self) -> bool:
+        return torch.device(self.device).type == "cuda" if self.bf16 is None else bool(self.bf16)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(RunConfig):
     """Everything that defines a training run.
 
     Model: ``preset`` (a name of :data:`arsparse.models.config.GPT_PRESETS`) with optional
@@ -162,7 +198,6 @@ class TrainConfig:
     ``PaletteTokenizer.config()``); stored in the exported header. ``dataset``: a name, logged.
     """
 
-    out_dir: str
     preset: str = "GPT-tiny"
     dim: int | None = None
     n_layer: int | None = None
@@ -172,34 +207,14 @@ class TrainConfig:
     num_classes: int = 10
     grid_h: int = 28
     grid_w: int = 28
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
+    weight_decay: float = 0.05  # (RunConfig: 0)
     class_dropout_prob: float = 0.1
     token_dropout_p: float = 0.0
     attn_dropout_p: float = 0.0
     resid_dropout_p: float = 0.0
     ffn_dropout_p: float = 0.0
     drop_path_rate: float = 0.0
-    hflip: bool = False
-    bf16: bool | None = None
-    compile: bool = False
-    seed: int = 0
-    ckpt_every: int = 1000
-    eval_every: int = 500
-    log_every: int = 50
-    eval_samples: int | None = None
-    time_limit_s: float | None = None
-    device: str = "cpu"
-    export_dtype: str = "bf16"
-    progress: bool = True
     tokenizer: dict | None = None
-    dataset: str | None = None
     init_from: str | None = None  #: weights of the same architecture to start from (fine-tuning)
     sparse_policy: str | None = None  #: an offset policy, e.g. "diagonal": sparse-aware training
     sparse_weight: float = 0.5  #: its share of the loss (with sparse_policy)
@@ -217,7 +232,7 @@ class TrainConfig:
         def bad(msg):
             raise ValueError(f"TrainConfig: {msg}")
 
-        check_run_fields(self, bad)
+        self.check_run_fields(bad)
         if self.preset not in GPT_PRESETS:
             bad(f"unknown preset {self.preset!r}; choose one of {', '.join(GPT_PRESETS)}")
         for f in ("dim", "n_layer", "n_head", "multiple_of"):
@@ -283,14 +298,6 @@ class TrainConfig:
     @property
     def image_tokens(self) -> int:
         return self.grid_h * self.grid_w
-
-    def use_bf16(self) -> bool:
-        return torch.device(self.device).type == "cuda" if self.bf16 is None else bool(self.bf16)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from ..checkpoint import save_safetensors
 from ..loading import config_metadata
 from ..models.vq import VQConfig, VQModel, vq_config
 from .loop import TrainLoop, run_device, start_clock, write_json
-from .trainer import _DTYPES, _fingerprint, _seed_of, batch_indices, check_run_fields
+from .trainer import _DTYPES, RunConfig, _fingerprint, _seed_of, batch_indices
 
 __all__ = ["VQ_CKPT_FORMAT", "VQ_RECIPES", "VQTrainConfig", "VQTrainResult", "export_vq", "train_vq",
            "vq_batch", "vq_recipe_config"]
@@ -47,7 +47,7 @@ VQ_CKPT_FORMAT = "arsparse-train-vq/1"
 
 
 @dataclass
-class VQTrainConfig:
+class VQTrainConfig(RunConfig):
     """Everything that defines a VQ training run.
 
     Architecture (see :class:`~arsparse.models.vq.VQConfig`): ``ch``, ``ch_mult`` (its length sets
@@ -59,7 +59,6 @@ class VQTrainConfig:
     :class:`~arsparse.training.trainer.TrainConfig`. ``name``: the exported file's stem.
     """
 
-    out_dir: str
     ch: int = 64
     ch_mult: tuple[int, ...] = (1, 2)
     z_channels: int = 64
@@ -71,34 +70,15 @@ class VQTrainConfig:
     l1_weight: float = 1.0
     l2_weight: float = 1.0
     restart_every: int = 200
-    hflip: bool = True
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup: int = 100
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    bf16: bool | None = None
-    compile: bool = False
-    seed: int = 0
-    ckpt_every: int = 1000
-    eval_every: int = 500
-    log_every: int = 50
-    eval_samples: int | None = None
-    time_limit_s: float | None = None
-    device: str = "cpu"
-    export_dtype: str = "fp16"
-    progress: bool = True
-    dataset: str | None = None
+    hflip: bool = True  # (RunConfig: False)
+    export_dtype: str = "fp16"  # (RunConfig: bf16)
     name: str = "vq"
 
     def __post_init__(self):
         def bad(msg):
             raise ValueError(f"VQTrainConfig: {msg}")
 
-        check_run_fields(self, bad)
+        self.check_run_fields(bad)
         self.ch_mult = tuple(self.ch_mult)
         for f in ("image_size",):
             v = getattr(self, f)
@@ -128,13 +108,8 @@ class VQTrainConfig:
         """Tokens per image side."""
         return self.image_size // self.vq_config().downsample
 
-    def use_bf16(self) -> bool:
-        return torch.device(self.device).type == "cuda" if self.bf16 is None else bool(self.bf16)
-
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["betas"], d["ch_mult"] = list(self.betas), list(self.ch_mult)
-        return d
+        return {**super().to_dict(), "ch_mult": list(self.ch_mult)}
 
 
 #: Named VQ recipes; ``vq_recipe_config(name, out_dir, **overrides)`` turns one into a config.
