@@ -10,11 +10,11 @@
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
-# The quality calls (issue 5): emoji's samples for tova past 0.103 and for lines past 0.25
-# (`POLICIES=tova RHOS=0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji`, after `prepare emoji`,
-# parking what it lists and docs/bench/run*/, carrying .ft; about 100 s a policy and budget plus 105 s
-# for dense). Export ARSPARSE_DATA to the unpacked data for an NLL sweep, or it scores the model's own
-# samples.
+# The quality call (issue 5): emoji's samples for tova and lines past 0.25, one sweep in one call (4 files
+# back; about 100 s a policy and budget after 105 s of dense at 3,000 samples):
+# `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji`, after
+# `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft. Export ARSPARSE_DATA to
+# the unpacked data for an NLL sweep, or it scores the model's own samples.
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
