@@ -7,6 +7,7 @@
 #                                       # in run 17; the ring kernel has changed since)
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process (ran in run 23: 58-93 s)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's settings: sweep, then h2o and headkv in whole steps
+#   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
@@ -22,7 +23,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, t, b or c} in
+case ${1:?s, a, t, b, c or r} in
 s)
   timeout 240 bash docs/bench/kernel-sweep.sh slots 2>&1 | tail -12
   B 300 --image-tokens 576 --batch 256 --compile --match-budget --policies "dense;h2o;headkv" \
@@ -38,9 +39,15 @@ c)
   # rho 0.1424, diagonal's 82 of 576 entries, which left headkv 1.5x the memory)
   B 560 --image-tokens 576 --batch 256 --compile --match-budget --out "$OUT/b256-576-policies.json" \
     --policies "dense;diagonal;diagonal:remainder=true;streaming;lines;h2o;tova;headkv" | grep "|" ;;
+r)  # the remainder entry: its GPU tests, then diagonal with and without it at batch 256, profiled (run 25)
+  timeout 200 python3 -m pytest -q -rf --tb=short tests/test_kernels.py tests/test_cuda.py \
+    -k "remainder or adds_the_new_token or rotating_q_and_k_gives" > "$OUT/test_cuda_r.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_cuda_r.txt" | tail -20
+  B 330 --image-tokens 576 --batch 256 --compile --match-budget --profile --out "$OUT/b256-576-remainder.json" \
+    --policies "dense;diagonal;diagonal:remainder=true" | grep "|" ;;
 b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, t, b or c, got $1"; exit 2 ;;
+*) echo "part s, a, t, b, c or r, got $1"; exit 2 ;;
 esac

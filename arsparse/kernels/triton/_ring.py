@@ -14,7 +14,10 @@ the launch, one small element-wise op, so no program can see them half-updated),
 ``ADD_NEW`` and one query head per kv head (then the only program that reads a row's sums is the one
 that writes them), hold the sums before the new token, which the kernel adds itself (in registers
 for the remainder entry, then stored back): that lets the key be rotated here (``HAS_ROPE``) with
-the remainder entry too, and takes the step's PyTorch updates of the sums away.
+the remainder entry too, and takes the step's PyTorch updates of the sums away. The entry costs no
+pass over the tile: its score is q . (sums - read ring keys) / n, taken from the scores already
+computed, and its value is folded into the weights of the one pass over the values (session 28:
+the engine's sm_90 build went from 2,328 instructions, 255 registers and spills to 1,824 and 183).
 
 Its form was chosen on an H200 (BENCHMARKS.md, runs 6 and 7): 2-D tiles of one head per program took
 the decode step of diagonal at batch 256 from 4.75 to 4.05 ms against 3-D tiles of a block of heads,
@@ -66,16 +69,34 @@ def _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn
 
 
 @triton.jit
-def _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S, n_read, k_read, v_read):
-    """The remainder entry: the running sums (past the sinks, the new token included) less the ``n_read``
-    ring entries read (their K and V sums ``k_read``, ``v_read``, (BD,) fp32), averaged -> its score
-    (-inf when nothing remains) and value."""
+def _sums(KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask):
+    """Row ``b``'s running sums of the remainder entry's keys and values (BD,) fp32 each."""
+    sum_off = b * ssum_b + hk * ssum_h + offs_d
+    return tl.load(KSUM + sum_off, mask=dmask, other=0.0), tl.load(VSUM + sum_off, mask=dmask, other=0.0)
+
+
+@triton.jit
+def _remainder(q, k_sum, i, S, n_read, qk_read):
+    """The remainder entry: the mean of the running sums' keys and values (past the sinks, the new token
+    included) less the ``n_read`` ring entries read. Its score comes from the scores already computed
+    (q . mean = (q . k_sum - ``qk_read``) / n, ``qk_read`` the read ring entries' q . k), so no pass
+    over the tile. Returns its score (-inf when nothing remains) and n: its value, (v_sum - the read
+    ring entries' values) / n, the caller folds into the weights of its one pass over the values
+    (:func:`_weights_less_remainder`)."""
     count = tl.maximum(i + 1 - S, 0) - n_read
     n = tl.maximum(count, 1).to(tl.float32)
-    sum_off = b * ssum_b + hk * ssum_h + offs_d
-    k_e = (tl.load(KSUM + sum_off, mask=dmask, other=0.0) - k_read) / n
-    v_e = (tl.load(VSUM + sum_off, mask=dmask, other=0.0) - v_read) / n
-    return tl.where(count > 0, tl.sum(q * k_e, axis=0) + tl.log(n), float("-inf")), v_e
+    return tl.where(count > 0, (tl.sum(q * k_sum, axis=0) - qk_read) / n + tl.log(n), float("-inf")), n
+
+
+@triton.jit
+def _weights_less_remainder(p, ring, p_new, n_new_r, u_e, m, n):
+    """The softmax weights with the remainder entry's value folded in: that entry, weight p_e, holds
+    (VSUM - sum of the read ring values - n_new_r x the new value) / n, so each read ring entry's weight
+    drops by c = p_e / n, the new token's by n_new_r c, and the output gains c VSUM. Returns those
+    weights (BO,), the new token's, c and p_e."""
+    p_e = tl.exp2(u_e - m)
+    c = p_e / n
+    return p - tl.where(ring, c, 0.0), p_new - n_new_r * c, c, p_e
 
 
 @triton.jit
@@ -122,14 +143,15 @@ def _merged_gather(PK, PV, SK, SV, RK, RV, SPAN, o, jo, b, hk, pos, i, sp_b, sp_
 
 
 @triton.jit
-def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk, pos, i,
+def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN, o, jo, b, h, hk, pos, i,
                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s,
                 ssum_b, ssum_h, P, S, W, n_off, scale, offs_d, dmask,
                 HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
                 EARLY: tl.constexpr, ALIGN: tl.constexpr, HAS_ROPE: tl.constexpr, ADD_NEW: tl.constexpr):
     """Row ``b``'s read set in one tile (:func:`_merged_gather`) and one softmax over it and the new
     token. Returns the unnormalised output and its sum, (BD,) and a scalar, and the new token's K/V
-    (for the caller's cache write)."""
+    (for the caller's cache write). ``k_sum``, ``v_sum``: the remainder's sums as the caller loaded them
+    (with ``ADD_NEW``), else loaded here after the wait."""
     if not EARLY:
         q, kn, vn = _step_inputs(Q, KN, VN, ROPE, b, h, hk, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b,
                                   scale, offs_d, dmask, HAS_ROPE)
@@ -142,35 +164,38 @@ def _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo
                                   scale, offs_d, dmask, HAS_ROPE)
     LOG2E: tl.constexpr = 1.4426950408889634
     n_new = tl.sum(new.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
-    u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))  # log2 units
+    qkn = tl.sum(q * kn.to(tl.float32), axis=0)
+    u_new = tl.where(n_new > 0, qkn * LOG2E, float("-inf"))  # log2 units
     if not LATE_CAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    s = tl.where(old, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # (BO,)
+    qk = tl.sum(k.to(tl.float32) * q[None, :], axis=1)  # (BO,)
+    s = tl.where(old, qk, float("-inf")) * LOG2E
     m = tl.maximum(tl.max(s, axis=0), u_new)
     if HAS_REST:  # the remainder entry, less the ring entries read (the new token's as often as read)
+        ring = is_r & old  # (the ring entries read from memory)
         n_new_r = tl.sum((is_r & new).to(tl.float32), axis=0) - _added(i, S, ADD_NEW)
-        k_read = tl.sum(tl.where(is_r[:, None], k.to(tl.float32), 0.0), axis=0)
-        v_read = tl.sum(tl.where(is_r[:, None], v.to(tl.float32), 0.0), axis=0)
-        s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
-                              tl.sum(is_r.to(tl.int32), axis=0), k_read + n_new_r * kn.to(tl.float32),
-                              v_read + n_new_r * vn.to(tl.float32))
+        qk_read = tl.sum(tl.where(ring, qk, 0.0), axis=0) + n_new_r * qkn
+        if not ADD_NEW:  # (the step wrote the new token into them: after the wait)
+            k_sum, v_sum = _sums(KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask)
+        s_e, n_e = _remainder(q, k_sum, i, S, tl.sum(is_r.to(tl.int32), axis=0), qk_read)
         u_e = s_e * LOG2E
         m = tl.maximum(m, u_e)
     p = tl.exp2(s - m)
     p_new = n_new * tl.exp2(u_new - m)
     l = tl.sum(p, axis=0) + p_new
+    if HAS_REST:
+        p, p_new, c, p_e = _weights_less_remainder(p, ring, p_new, n_new_r, u_e, m, n_e)
+        l = l + p_e
     acc = tl.sum(p[:, None] * v.to(tl.float32), axis=0) + p_new * vn.to(tl.float32)  # (BD,)
     if HAS_REST:
-        p_e = tl.exp2(u_e - m)
-        l = l + p_e
-        acc = acc + p_e * v_e
+        acc = acc + c * v_sum
     return acc, l, kn, vn
 
 
 @triton.jit
-def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b, h, hk, pos, i,
-                    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h,
-                    sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr,
+def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN, o, jp, js, b, h, hk,
+                    pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b,
+                    sr_h, sr_s, ssum_b, ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN: tl.constexpr,
                     HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
                     HAS_ROPE: tl.constexpr, ADD_NEW: tl.constexpr):
     """Row ``b``'s read set as three tiles (prompt (BP, BD), sinks (BS, BD), ring entries (BO, BD)) and one
@@ -208,17 +233,19 @@ def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o
     LOG2E: tl.constexpr = 1.4426950408889634
     s_p = tl.where(pmask, tl.sum(kp.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E  # log2 units
     s_s = tl.where(smask, tl.sum(ks.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E
-    s_r = tl.where(rmask, tl.sum(kr.to(tl.float32) * q[None, :], axis=1), float("-inf")) * LOG2E
+    qk_r = tl.sum(kr.to(tl.float32) * q[None, :], axis=1)  # (BO,)
+    s_r = tl.where(rmask, qk_r, float("-inf")) * LOG2E
     n_new_r = tl.sum(rnew.to(tl.float32), axis=0)
     n_new = n_new_r + tl.sum(snew.to(tl.float32), axis=0)  # the new token: one term, weighted by its reads
     n_new_r -= _added(i, S, ADD_NEW)
-    u_new = tl.where(n_new > 0, tl.sum(q * kn.to(tl.float32), axis=0) * LOG2E, float("-inf"))
+    qkn = tl.sum(q * kn.to(tl.float32), axis=0)
+    u_new = tl.where(n_new > 0, qkn * LOG2E, float("-inf"))
     m = tl.maximum(tl.maximum(tl.maximum(tl.max(s_p, axis=0), tl.max(s_s, axis=0)), tl.max(s_r, axis=0)), u_new)
     if HAS_REST:  # (the ring entries read from memory are the rows of kr; the new token's as often as read)
-        s_e, v_e = _remainder(q, KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask, i, S,
-                              tl.sum(is_r.to(tl.int32), axis=0),
-                              tl.sum(kr.to(tl.float32), axis=0) + n_new_r * kn.to(tl.float32),
-                              tl.sum(vr.to(tl.float32), axis=0) + n_new_r * vn.to(tl.float32))
+        qk_read = tl.sum(tl.where(rmask, qk_r, 0.0), axis=0) + n_new_r * qkn
+        if not ADD_NEW:  # (the step wrote the new token into them: after the wait)
+            k_sum, v_sum = _sums(KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask)
+        s_e, n_e = _remainder(q, k_sum, i, S, tl.sum(is_r.to(tl.int32), axis=0), qk_read)
         u_e = s_e * LOG2E
         m = tl.maximum(m, u_e)
     p_p = tl.exp2(s_p - m)
@@ -226,12 +253,13 @@ def _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o
     p_r = tl.exp2(s_r - m)
     p_new = n_new * tl.exp2(u_new - m)
     l = tl.sum(p_p, axis=0) + tl.sum(p_s, axis=0) + tl.sum(p_r, axis=0) + p_new
+    if HAS_REST:
+        p_r, p_new, c, p_e = _weights_less_remainder(p_r, rmask, p_new, n_new_r, u_e, m, n_e)
+        l = l + p_e
     acc = (tl.sum(p_p[:, None] * vp.to(tl.float32), axis=0) + tl.sum(p_s[:, None] * vs.to(tl.float32), axis=0)
            + tl.sum(p_r[:, None] * vr.to(tl.float32), axis=0) + p_new * vn.to(tl.float32))  # (BD,)
     if HAS_REST:
-        p_e = tl.exp2(u_e - m)
-        l = l + p_e
-        acc = acc + p_e * v_e
+        acc = acc + c * v_sum
     return acc, l, kn, vn
 
 
@@ -292,14 +320,20 @@ def ring_decode_kernel(
         b = tl.minimum(row, B - 1)  # (a row past B is row B - 1 again, stored nowhere)
         pos = tl.load(POS + b * spos).to(tl.int32)
         i = pos - P  # image index of the query
+        if ADD_NEW:  # (only this program writes row b's sums, at its previous step: safe before the wait)
+            k_sum, v_sum = _sums(KSUM, VSUM, b, hk, ssum_b, ssum_h, offs_d, dmask)
+        else:
+            k_sum, v_sum = offs_d.to(tl.float32), offs_d.to(tl.float32)  # (unused)
         if MERGED:
-            acc, l, kn, vn = _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jo, b, h, hk,
+            acc, l, kn, vn = _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN, o,
+                                         jo, b, h, hk,
                                          pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s,
                                          ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale,
                                          offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, HAS_ROPE,
                                          ADD_NEW)
         else:
-            acc, l, kn, vn = _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, SPAN, o, jp, js, b,
+            acc, l, kn, vn = _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN,
+                                             o, jp, js, b,
                                              h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b,
                                              sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W,
                                              scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY,
@@ -316,5 +350,5 @@ def ring_decode_kernel(
         if ADD_NEW:  # (G == 1: this program was the only reader of row b's sums, above)
             amask = tl.where(live & (i >= S), dmask, False)
             a_off = b * ssum_b + hk * ssum_h + offs_d
-            tl.store(KSUM + a_off, tl.load(KSUM + a_off, mask=amask, other=0.0) + kn.to(tl.float32), mask=amask)
-            tl.store(VSUM + a_off, tl.load(VSUM + a_off, mask=amask, other=0.0) + vn.to(tl.float32), mask=amask)
+            tl.store(KSUM + a_off, k_sum + kn.to(tl.float32), mask=amask)
+            tl.store(VSUM + a_off, v_sum + vn.to(tl.float32), mask=amask)
