@@ -1,21 +1,19 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
-# 10 minutes). Run 24 ran a and t whole (91 + 175 passed); run them again after any change to the GPU code:
+# 10 minutes). Run 24 ran a and t whole (91 + 175 passed); run them again after any change to the GPU code
+# (run 25 changed the ring kernel's remainder entry and ran only r's tests on it: run t next):
 #   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (331 s in run 24)
 #   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
-#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (last run
-#                                       # in run 17; the ring kernel has changed since)
+#   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (229 s, run 25)
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process (ran in run 23: 58-93 s)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's settings: sweep, then h2o and headkv in whole steps
-#   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256
+#   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256 (93 s, run 25)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
-# The quality call (issue 5): emoji's samples for tova and lines past 0.25, one sweep in one call (4 files
-# back; about 100 s a policy and budget after 105 s of dense at 3,000 samples):
-# `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh sweep emoji`, after
-# `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft. Export ARSPARSE_DATA to
-# the unpacked data for an NLL sweep, or it scores the model's own samples.
+# Quality calls (issue 5) run one sweep a call (4 files back; about 100 s a policy and budget after 105 s of
+# dense at 3,000 samples), e.g. `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh
+# sweep emoji` (run 25), after `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft.
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
