@@ -326,18 +326,16 @@ def ring_decode_kernel(
             k_sum, v_sum = offs_d.to(tl.float32), offs_d.to(tl.float32)  # (unused)
         if MERGED:
             acc, l, kn, vn = _merged_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN, o,
-                                         jo, b, h, hk,
-                                         pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s,
-                                         ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off, scale,
-                                         offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN, HAS_ROPE,
-                                         ADD_NEW)
+                                         jo, b, h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b,
+                                         sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W, n_off,
+                                         scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, ALIGN,
+                                         HAS_ROPE, ADD_NEW)
         else:
             acc, l, kn, vn = _three_tile_row(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, KSUM, VSUM, k_sum, v_sum, SPAN,
-                                             o, jp, js, b,
-                                             h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b,
-                                             sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b, ssum_h, P, S, W,
-                                             scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY,
-                                             HAS_ROPE, ADD_NEW)
+                                             o, jp, js, b, h, hk, pos, i, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                                             srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, ssum_b,
+                                             ssum_h, P, S, W, scale, offs_d, dmask, HAS_SPAN, HAS_REST, LATE_CAST,
+                                             PDL, EARLY, HAS_ROPE, ADD_NEW)
         omask_d = tl.where(live, dmask, False)  # (not block & scalar: the interpreter mistypes it)
         tl.store(OUT + b * sout_b + h * sout_h + offs_d, (acc / l).to(OUT.dtype.element_ty), mask=omask_d)
         wmask = tl.where(live & (h % G == G - 1) & (i >= 0), dmask, False)  # the new token into the cache
