@@ -1,7 +1,8 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
 # 10 minutes). Run 24 ran a and t whole (91 + 175 passed); run them again after any change to the GPU code
-# (run 25 changed the ring kernel's remainder entry and ran only r's tests on it: run t next):
+# (run 25 changed the ring kernel's remainder entry and ran only r's tests on it; run 26 ran t for 140 s:
+# 100 passed, none failed, about 57 % of it: run t whole next):
 #   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (331 s in run 24)
 #   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (229 s, run 25)

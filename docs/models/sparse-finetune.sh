@@ -32,9 +32,17 @@ what=${1:?prepare|run} ds=${2:-fashion}
 # sparse share as split rows ($MIX split: each row trained one way, no second pass). Its evals do not fit
 # the call: it returns the weights (best.safetensors, xz, in chunks) and train_log.json; evaluate them in
 # the next call with `INIT=<the weights> bash docs/eval/fd-infinity.sh prepare fashion` and `... run`.
-# (Resuming across calls through /tmp does not work: on 2026-12-02 three chained calls each found a
-# fresh machine. A checkpoint with its optimiser state, 210 MB, is too large to carry.)
-SCRATCH=${SCRATCH:-0}
+# A scratch run longer than one call resumes in the next: a call the time limit stops returns a portable
+# checkpoint (fp16 weights and the run's state, no optimiser state: the 210 MB checkpoint cannot travel)
+# as ckpt.pt.xz.0, .1 in $OUT; put them in .ft/ and carry them, and the same command resumes from them.
+# A call that finds the last call's machine still warm resumes from its own /tmp/ft/ckpt.pt instead
+# (optimiser state kept: on 2026-12-03 the second of two chained calls did; on 2026-12-02 three each
+# found a fresh machine). Run 26 (BENCHMARKS.md) trained fashion's 5,000 steps so, then the remainder
+# fine-tune in the second call: `START=/tmp/ft/model.safetensors FT_DIR=/tmp/ft2 POLICY=... run fashion`.
+# START=<a path on the GPU machine>: the weights to start from instead of .ft/gpt.safetensors.xz (say
+# the scratch run's /tmp/ft/model.safetensors, fine-tuned in the same call); WEIGHTS=model: the final
+# weights are the result (and the eval's) instead of the best held-out ones; FT_DIR: the run's folder.
+SCRATCH=${SCRATCH:-0} START=${START:-} WEIGHTS=${WEIGHTS:-best} FT_DIR=${FT_DIR:-/tmp/ft}
 # (sparse share 0.8 closed the gap faster than 0.5 on the CPU: BENCHMARKS)
 POLICY=${POLICY:-diagonal} WEIGHT=${WEIGHT:-0.8} MIX=${MIX:-$([ $SCRATCH = 1 ] && echo split || echo sum)} LOSS=${LOSS:-data} POOL=${POOL:-1024} DIVERGENCE=${DIVERGENCE:-reverse} STEPS=${STEPS:-1000} LR=${LR:-2e-4} BATCH=${BATCH:-128}
 NLL_IMAGES=${NLL_IMAGES:-512} SAMPLES=${SAMPLES:-1000} PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)} EVAL_SAMPLES=${EVAL_SAMPLES:-2000}
@@ -88,28 +96,39 @@ if [ $ds = fashion ]; then
 else
   cp .ft/emoji-64.npz /tmp/data/emoji/
 fi
-xz -dc .ft/gpt.safetensors.xz > /tmp/shipped.safetensors
-[ -f arsparse/weights/$model.safetensors ] || cp /tmp/shipped.safetensors arsparse/weights/$model.safetensors  # (the bundle)
+rm -f /tmp/shipped.safetensors  # (a scratch run needs no starting weights: prepare's may stay behind)
+if [ -n "$START" ]; then cp "$START" /tmp/shipped.safetensors
+elif [ -f .ft/gpt.safetensors.xz ]; then xz -dc .ft/gpt.safetensors.xz > /tmp/shipped.safetensors; fi
+[ -f arsparse/weights/$model.safetensors ] || [ ! -f /tmp/shipped.safetensors ] \
+  || cp /tmp/shipped.safetensors arsparse/weights/$model.safetensors  # (the bundle)
 t0=$(date +%s)
 vq=$([ $ds = emoji ] && echo "--vq arsparse/weights/emoji-vq.safetensors" || true)  # (the shipped VQ tokenises the images)
-rm -rf /tmp/ft
 if [ "$SCRATCH" = 1 ]; then  # (the recipe's lr and warm-up)
   STEPS=${STEPS_SCRATCH:-3400}
-  run_args="--steps $STEPS $([ $STEPS -lt 300 ] && echo --warmup 0 || true)"
+  run_args="--steps $STEPS $([ $STEPS -lt 300 ] && echo --warmup 0 || true) --resume"
+  if [ -f $FT_DIR/ckpt.pt ]; then echo "resuming from this machine's $FT_DIR/ckpt.pt (optimiser state kept)"
+  elif [ -f .ft/ckpt.pt.xz.0 ]; then
+    rm -rf $FT_DIR && mkdir -p $FT_DIR && cat .ft/ckpt.pt.xz.* | xz -dc > $FT_DIR/ckpt.pt
+    echo "resuming from the carried portable checkpoint (AdamW moments restart)"
+  else rm -rf $FT_DIR; fi
 else
+  rm -rf $FT_DIR
   run_args="--init-from /tmp/shipped.safetensors --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 ))"
 fi
-$PY -m arsparse.cli train model --dataset $ds $vq --device $DEVICE --out /tmp/ft $run_args \
+$PY -m arsparse.cli train model --dataset $ds $vq --device $DEVICE --out $FT_DIR $run_args \
   --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-mix $MIX --sparse-loss $LOSS --distill-pool $POOL \
   --distill-divergence $DIVERGENCE --batch-size $BATCH \
   --eval-every $(( (STEPS + 3) / 4 )) --eval-samples $EVAL_SAMPLES --time-limit $TRAIN_S --quiet > $OUT/train.txt 2>&1 \
   || { echo "train failed:"; tail -3 $OUT/train.txt; exit 1; }
-echo "train: $(( $(date +%s) - t0 )) s"; tail -3 $OUT/train.txt; cp /tmp/ft/train_log.json $OUT/ 2>/dev/null || true
-tuned=/tmp/ft/best.safetensors; [ -f $tuned ] || { echo "no best.safetensors: see train.txt"; exit 1; }
-if [ "$SCRATCH" = 1 ]; then  # (no time left for evals: the weights alone come back)
-  [ -f /tmp/ft/model.safetensors ] || echo "NOT FINISHED (the time limit): these are the best weights so far"
-  SEEDS= BASELINE=0
+echo "train: $(( $(date +%s) - t0 )) s"; tail -3 $OUT/train.txt; cp $FT_DIR/train_log.json $OUT/ 2>/dev/null || true
+if [ "$SCRATCH" = 1 ] && [ ! -f $FT_DIR/model.safetensors ]; then  # (stopped by the time limit: what resumes)
+  $PY -c "import sys; from arsparse.training.trainer import portable_checkpoint as p; p(*sys.argv[1:])" \
+    $FT_DIR/ckpt.pt /tmp/portable.pt fp16
+  xz -T0 -6 -c /tmp/portable.pt | split -b 15M -d -a 1 - $OUT/ckpt.pt.xz.
+  echo "NOT FINISHED (the time limit): resume with $OUT/ckpt.pt.xz.* in .ft/"; ls -la $OUT; exit 0
 fi
+tuned=$FT_DIR/$WEIGHTS.safetensors; [ -f $tuned ] || { echo "no $WEIGHTS.safetensors: see train.txt"; exit 1; }
+if [ "$SCRATCH" = 1 ]; then SEEDS= BASELINE=0; fi  # (no time left for evals: the weights alone come back)
 # MobileNetV2 when prepare packed it; the tuned weights on each of $SEEDS (sets of $SAMPLES seeds: the
 # Fréchet distances move between sets, BENCHMARKS), the shipped ones on the first
 mob=--no-mobilenet; [ -f .ft/mobilenet.pth ] && { export ARSPARSE_MOBILENET=.ft/mobilenet.pth; mob=; }
