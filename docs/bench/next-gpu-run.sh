@@ -15,6 +15,12 @@
 # Quality calls (issue 5) run one sweep a call (4 files back; about 100 s a policy and budget after 105 s of
 # dense at 3,000 samples), e.g. `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh
 # sweep emoji` (run 25), after `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft.
+# Next quality call (issue 5, a combination not yet measured): session 22's remainder fine-tune of the shipped
+# fashion weights (it closed the classifier's gap, +2.5 %, dense no worse) sampled at its entropy-matched
+# temperature (session 16: that closes MobileNetV2's gap of plain diagonal): `bash docs/models/sparse-finetune.sh
+# prepare fashion` here (park what it lists), then `POLICY=diagonal:remainder=true TRAIN_S=300 SEEDS=30000
+# SAMPLES=4000 BASELINE=0 EVAL_ARGS="--fd-infinity --fd-bootstrap 100 --kid 100 --fd-floor 0 --match-entropy"
+# bash docs/models/sparse-finetune.sh run fashion` (carry .ft; about 510 s; its CPU smoke run passed on 2026-12-03).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
