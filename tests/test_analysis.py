@@ -291,6 +291,48 @@ def test_parse_steps():
         parse_steps("12", 10)
 
 
+@pytest.mark.parametrize("name", ["fashion-c2i", "emoji-c2i"])
+def test_held_out_tokens_are_the_requested_classes_held_out_images(name):
+    """analyze's prefill on real images: for each requested class its next held-out image (a class asked
+    twice gives its first and its second), tokenised as the tokenizer encodes the pixels itself."""
+    import numpy as np
+
+    import arsparse
+    from arsparse.analysis.report import held_out_tokens
+    from arsparse.bundles import BUNDLES
+    from arsparse.data.emoji import EmojiDataError, load_emoji
+    from arsparse.data.fashion import FashionDataError, load_fashion
+    from arsparse.training.datasets import encode_images
+
+    if not BUNDLES[name].available:
+        pytest.skip(f"{name} weights not installed: {BUNDLES[name].how_to_get}")
+    try:
+        images, labels = load_fashion("test") if name == "fashion-c2i" else load_emoji("test")
+    except (FashionDataError, EmojiDataError) as e:
+        pytest.skip(f"{name}'s held-out data not installed: {e}")
+    gpt, tok = arsparse.load_model(name)
+    g = torch.Generator().manual_seed(_seed())
+    classes = torch.randint(0, gpt.config.num_classes, (3,), generator=g).tolist()
+    classes.append(classes[0])
+    tokens, note = held_out_tokens(gpt, tok, classes, name)
+    assert tokens is not None, note
+    seen: dict[int, int] = {}
+    expect = []
+    for c in classes:
+        expect.append(int(np.flatnonzero(labels.numpy() == c)[seen.get(c, 0)]))
+        seen[c] = seen.get(c, 0) + 1
+    assert f"images {expect}" in note
+    if name == "fashion-c2i":  # (the palette's encode of the image in [-1, 1], not its byte table)
+        ref = tok.encode(images[expect].float()[:, None] / 127.5 - 1.0)
+        assert torch.equal(tokens, ref)
+    else:  # (the VQ's codes of the pixels, in a batch of their own: near-ties may round differently)
+        ref = encode_images(tok, images[expect])
+        assert (tokens == ref).float().mean() > 0.99
+    # a model of no known data set (random tiny weights, given by no bundle name): none, and why
+    none, why = held_out_tokens(random_gpt(image_tokens=16, num_classes=3), None, [0, 1])
+    assert none is None and "no held-out images" in why
+
+
 # -- end to end -----------------------------------------------------------------------------------
 
 

@@ -116,7 +116,8 @@ def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--no-policies", action="store_true", help="skip the policy recall")
     a.add_argument("--no-control", action="store_true", help="skip the prefill-own control pass")
     a.add_argument("--real", choices=["auto", "none"], default="auto",
-                   help="prefill on real images when the model has them (fashion-c2i: Fashion-MNIST test set)")
+                   help="prefill on real images when the model has them (its held-out split: the Fashion-MNIST "
+                        "test set for fashion-c2i, the held-out emoji for emoji-c2i)")
     a.add_argument("--cfg-scale", type=float, default=None, help="decode guidance (default: the bundle's)")
     a.add_argument("--temperature", type=float, default=1.0)
     a.add_argument("--top-k", type=int, default=0)

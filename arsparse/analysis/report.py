@@ -32,7 +32,7 @@ import torch
 from .capture import AttentionCapture, capture_decode, capture_teacher_forced
 from .metrics import CATEGORIES, AttentionStats, MetricConfig, ReadSet, asymmetry
 
-__all__ = ["Analysis", "analyze", "build_read_sets", "fashion_real_tokens", "write_report"]
+__all__ = ["Analysis", "analyze", "build_read_sets", "held_out_tokens", "write_report"]
 
 DEFAULT_RHOS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
@@ -57,35 +57,47 @@ class Analysis:
 # -- inputs ---------------------------------------------------------------------------------------
 
 
-def fashion_real_tokens(gpt, tok, classes: list[int]) -> tuple[torch.Tensor | None, str]:
-    """Fashion-MNIST test images of ``classes`` as tokens (B, 784), or (None, reason).
+def held_out_tokens(gpt, tok, classes: list[int], model_name: str | None = None) -> tuple[torch.Tensor | None, str]:
+    """Held-out real images of ``classes`` as tokens (B, N), or (None, why there are none).
 
-    Used when the model is a 28x28 one-token-per-pixel c2i model of 10 classes (``fashion-c2i``)
-    with a palette tokenizer. Image ``i`` is the ``j``-th test image of class ``classes[i]``,
-    ``j`` = how often that class came before in the list.
+    The images are the held-out split of the data the model was trained on: a shipped bundle's (its
+    header says which: the Fashion-MNIST test split, or the held-out emoji through the bundle's VQ),
+    else Fashion-MNIST's for a 28x28, 10-class model with a palette tokenizer (a checkpoint given by
+    path). Image ``i`` is the ``j``-th held-out image of class ``classes[i]``, ``j`` = how often that
+    class came before in the list.
     """
-    cfg = gpt.config
-    if tok is None or not hasattr(tok, "bytes_to_tokens"):
-        return None, "the tokenizer does not map pixels to tokens (not a palette tokenizer)"
-    if cfg.model_type != "c2i" or (cfg.grid_h, cfg.grid_w) != (28, 28) or cfg.num_classes != 10:
-        return None, "the model is not a 28x28, 10-class model like fashion-c2i"
-    from ..data.fashion import FashionDataError, load_fashion
+    from ..data.emoji import EmojiDataError
+    from ..data.fashion import FashionDataError
+    from ..eval.evaluate import emoji_heldout, fashion_heldout, model_dataset
+    from ..tokenizers import VQTokenizer
 
+    cfg = gpt.config
+    dataset = model_dataset(model_name) if model_name else None
+    if dataset is None and (cfg.grid_h, cfg.grid_w, cfg.num_classes) == (28, 28, 10):
+        dataset = "fashion"
+    if dataset == "fashion" and not hasattr(tok, "bytes_to_tokens"):
+        return None, "the tokenizer does not map pixels to tokens (not a palette tokenizer)"
+    if dataset == "emoji" and not isinstance(tok, VQTokenizer):
+        return None, "no VQ tokenizer to turn the emoji into tokens"
+    if dataset not in ("fashion", "emoji"):
+        return None, "no held-out images for this model (they exist for the shipped models and fashion-like ones)"
     try:
-        images, labels = load_fashion("test")
-    except FashionDataError as e:
-        return None, f"Fashion-MNIST is not installed ({e})"
+        held = fashion_heldout(tok) if dataset == "fashion" else emoji_heldout(tok)
+    except (FashionDataError, EmojiDataError) as e:
+        return None, f"its held-out images are not installed ({e})"
     seen: dict[int, int] = {}
     pick = []
     for c in classes:
-        idx = (labels == c).nonzero()[:, 0]
+        idx = (held.cond == c).nonzero()[:, 0]
+        if len(idx) == 0:
+            return None, f"the held-out images have none of class {c}"
         j = seen.get(c, 0)
         seen[c] = j + 1
         pick.append(int(idx[j % len(idx)]))
-    tokens = tok.bytes_to_tokens(images[pick]).flatten(1)
-    if int(tokens.max()) >= cfg.vocab_size:
-        return None, "the tokenizer's vocabulary does not match the model's"
-    return tokens, f"Fashion-MNIST test images {pick} (classes {classes})"
+    tokens = held.tokens[pick]  # (B, N)
+    if tokens.shape[1] != cfg.image_tokens or int(tokens.max()) >= cfg.vocab_size:
+        return None, "the tokenizer's tokens do not fit the model (length or vocabulary)"
+    return tokens, f"{held.description}: images {pick} (classes {classes})"
 
 
 def build_read_sets(gpt, rhos=DEFAULT_RHOS, names=None) -> tuple[list[ReadSet], dict, list[str]]:
@@ -180,12 +192,13 @@ def analyze(gpt, tok=None, *, num_images: int = 8, classes=None, cond=None, real
 
     Parameters
     ----------
-    gpt, tok : the model and its tokenizer (the tokenizer is used for real Fashion-MNIST images only).
+    gpt, tok : the model and its tokenizer (used to tokenise the held-out images only).
     num_images : sequences per phase.
     classes : c2i class labels (cycled to ``num_images``; default 0, 1, 2, ...).
     cond : conditions instead of ``classes`` (t2i: caption features (B, P, C); default: the
         unconditional caption, without guidance).
-    real_tokens : "auto" (Fashion-MNIST for fashion-c2i), None (own samples), or (B, N) tokens.
+    real_tokens : "auto" (held-out images of the data the model was trained on: :func:`held_out_tokens`),
+        None (own samples), or (B, N) tokens.
     steps : image indices of the recorded queries (both phases); default all.
     layers, heads : which to record (default all).
     config : metric parameters.
@@ -248,7 +261,7 @@ def analyze(gpt, tok=None, *, num_images: int = 8, classes=None, cond=None, real
     if isinstance(real_tokens, str):
         if real_tokens != "auto":
             raise ValueError(f"real_tokens must be 'auto', None or a tensor, got {real_tokens!r}")
-        real_tokens, real_note = (fashion_real_tokens(gpt, tok, cls_list) if cls_list is not None
+        real_tokens, real_note = (held_out_tokens(gpt, tok, cls_list, model_name) if cls_list is not None
                                   else (None, "a t2i model has no real images here"))
     elif real_tokens is None:
         real_note = "real images not requested"
