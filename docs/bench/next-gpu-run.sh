@@ -1,8 +1,7 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
-# 10 minutes). Run 24 ran a and t whole (91 + 175 passed); run them again after any change to the GPU code
-# (run 25 changed the ring kernel's remainder entry and ran only r's tests on it; run 26 ran t for 140 s:
-# 100 passed, none failed, about 57 % of it: run t whole next):
+# 10 minutes). Run 27 ran t whole (175 passed) and a for 400 s (83 of 91 passed, none failed) after run
+# 25's change to the ring kernel; run them again after any change to the GPU code:
 #   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (331 s in run 24)
 #   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (229 s, run 25)
@@ -15,12 +14,15 @@
 # Quality calls (issue 5) run one sweep a call (4 files back; about 100 s a policy and budget after 105 s of
 # dense at 3,000 samples), e.g. `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh
 # sweep emoji` (run 25), after `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft.
-# Next quality call (issue 5, a combination not yet measured): session 22's remainder fine-tune of the shipped
-# fashion weights (it closed the classifier's gap, +2.5 %, dense no worse) sampled at its entropy-matched
-# temperature (session 16: that closes MobileNetV2's gap of plain diagonal): `bash docs/models/sparse-finetune.sh
-# prepare fashion` here (park what it lists), then `POLICY=diagonal:remainder=true TRAIN_S=300 SEEDS=30000
-# SAMPLES=4000 BASELINE=0 EVAL_ARGS="--fd-infinity --fd-bootstrap 100 --kid 100 --fd-floor 0 --match-entropy"
-# bash docs/models/sparse-finetune.sh run fashion` (carry .ft; about 510 s; its CPU smoke run passed on 2026-12-03).
+# Next quality call (issue 5): is the classifier's +11.5 % real? Run 27 measured session 22's remainder
+# fine-tune at its entropy-matched temperature (MobileNetV2's FD +0.1 %, classifier's +11.5 % [+0.1,
+# +22.9] at 4,000 samples). The same at 10,000 samples (about 400 s): here `xz -dc
+# /work/park/s30-tuned/tuned.safetensors.xz.* > /tmp/tuned.safetensors` (sha256 d1ac11ae...; if gone,
+# first retrain it in a call of its own: `POLICY=diagonal:remainder=true TRAIN_S=300 SEEDS= BASELINE=0
+# bash docs/models/sparse-finetune.sh run fashion`, 320 s, weights back as tuned.safetensors.xz.*), then
+# `INIT=/tmp/tuned.safetensors bash docs/eval/fd-infinity.sh prepare fashion` (park what it lists and
+# docs/eval/*/), and on the GPU `POLICIES=dense,diagonal:remainder=true SAMPLES=10000 NLL_IMAGES=512
+# EVAL_ARGS=--match-entropy bash docs/eval/fd-infinity.sh run fashion` (carry .ft).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
