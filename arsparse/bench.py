@@ -425,6 +425,8 @@ def cmd_bench(args) -> int:
         batches = [b if b == "max" else int(b) for b in args.batch.split(",")]
     except ValueError:
         raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
+    if any(b != "max" and b < 1 for b in batches):
+        raise ValueError(f"--batch sizes must be >= 1 (or max), got {args.batch!r}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.ring_launch:  # the offset policies' ring kernel, for this run (the launch sweep's candidates)

@@ -66,9 +66,10 @@ def _load_raw(path: Path) -> Any:
         try:
             with torch.serialization.safe_globals([argparse.Namespace]):
                 return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # (torch's own message is many lines, its first says what went wrong)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise CheckpointError(
-                f"{path}: torch.load(weights_only=True) failed: {exc}. Only tensors, plain "
+                f"{path}: not a checkpoint torch.load(weights_only=True) can read ({first}). Only tensors, plain "
                 "containers and argparse.Namespace are accepted; re-save the weights as a "
                 "state dict or convert them with arsparse.checkpoint.convert."
             ) from exc
@@ -213,6 +214,22 @@ def load_into(module: nn.Module, state_dict: Mapping[str, torch.Tensor], *, what
     return sorted(k for k in own if k not in state_dict)
 
 
+def check_output_file(path: str | os.PathLike, suffix: str = SAFETENSORS_SUFFIX) -> Path:
+    """``path`` as a file that can be written: the right suffix, and no file where a folder of it must be
+    (checked before the work whose result it will hold, so that no work is lost)."""
+    p = Path(path)
+    if p.suffix.lower() != suffix:
+        raise CheckpointError(f"{p}: the output must end in {suffix}")
+    if p.is_dir():
+        raise CheckpointError(f"{p} is a folder; give a file name ending in {suffix}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(f"cannot write {p}: {parent} is a file, not a folder")
+            break
+    return p
+
+
 def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike,
                      metadata: dict[str, str] | None = None) -> None:
     """Write tensors to a ``.safetensors`` file.
@@ -229,9 +246,7 @@ def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
     metadata : dict of str to str, optional
         Free-form header metadata.
     """
-    p = Path(path)
-    if p.suffix.lower() != SAFETENSORS_SUFFIX:
-        raise CheckpointError(f"{p}: safetensors output must end in {SAFETENSORS_SUFFIX}")
+    p = check_output_file(path)
     if metadata is not None and not (isinstance(metadata, Mapping) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise CheckpointError(f"metadata must be a dict of str to str, got {metadata!r}")
@@ -250,6 +265,9 @@ def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Path
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=dict(metadata) if metadata else None)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # (mkstemp's file is private; the output gets the usual mode)
         os.replace(tmp, p)
     finally:
         if os.path.exists(tmp):
@@ -276,6 +294,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, key: str | None = No
     int
         Number of tensors written.
     """
+    check_output_file(dst)
     sd = read_state_dict(src, key=key)
     meta = {"format": "pt", "source": Path(src).name}
     if key is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .cliargs import add_model_args, build_model, int_list, load_captions
+from .cliargs import add_model_args, build_model, finite_float, int_list, load_captions, positive_int
 
 
 def cmd_generate(args) -> int:
@@ -37,8 +37,9 @@ def cmd_generate(args) -> int:
         conds, masks = feats[torch.arange(n) % feats.shape[0]], mask[torch.arange(n) % feats.shape[0]]
         extra = dict(caption_tokens=mask.sum(1).tolist(), left_padding=not args.no_left_padding)
     else:
-        if args.caption_mask or args.no_left_padding:
-            raise ValueError("--caption-mask and --no-left-padding are for text-conditional (t2i) models")
+        if args.caption_features or args.caption_mask or args.no_left_padding:
+            raise ValueError("--caption-features, --caption-mask and --no-left-padding are for text-conditional (t2i) "
+                             "models; this one is class-conditional: give --classes")
         classes = args.classes or list(range(min(cfg.num_classes, 8)))
         bad = [c for c in classes if not 0 <= c < cfg.num_classes]
         if bad:
@@ -175,15 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--caption-mask", help="t2i: file of the features' padding masks (B, tokens), True/1 at real tokens")
     g.add_argument("--no-left-padding", action="store_true",
                    help="t2i: keep the real caption tokens first (LlamaGen's flag; default: moved to the end)")
-    g.add_argument("--num-images", type=int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
-    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--num-images", type=positive_int, help="images to make (default: one per class or caption; classes 0..7 when none given)")
+    g.add_argument("--batch-size", type=positive_int, default=32)
     g.add_argument("--seed", type=int, default=0, help="image i uses seed+i")
-    g.add_argument("--cfg-scale", type=float, default=None,
+    g.add_argument("--cfg-scale", type=finite_float, default=None,
                    help="classifier-free guidance, 1 = off (default: the bundle's, 4.0 for checkpoints)")
     g.add_argument("--cfg-interval", type=int, default=-1, help="guide only the first tokens (LlamaGen's; -1 = all)")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=finite_float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="1 = off")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
     g.add_argument("--kernel", default=None, choices=["torch", "triton"],
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="policy parameter, repeatable: --policy-arg rows=3 --policy-arg band=2")
     g.add_argument("--out", default="out", help="output folder: grid.png, images/, generate.json")
-    g.add_argument("--nrow", type=int, default=8, help="images per row of grid.png")
+    g.add_argument("--nrow", type=positive_int, default=8, help="images per row of grid.png")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_generate)
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, FashionDataError, EmojiDataError, FileNotFoundError, FileExistsError) as e:  # bad input, missing data
+    except (ValueError, FashionDataError, EmojiDataError, OSError) as e:  # bad input, missing data, unwritable output
         print(f"arsparse: error: {e}", file=sys.stderr)
         return 2
 

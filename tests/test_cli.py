@@ -1,5 +1,7 @@
 import json
+import os
 
+import pytest
 import torch
 from PIL import Image
 
@@ -44,6 +46,36 @@ def test_bad_input_gives_a_message_not_a_traceback(tmp_path, capsys, monkeypatch
     assert "takes batches of at most 8 images with guidance; got 9" in capsys.readouterr().err
 
 
+def test_bad_values_fail_before_any_work_with_a_message(tmp_path, capsys):
+    for argv, msg in [(["generate", "--num-images", "0"], "expected a positive integer, got '0'"),
+                      (["generate", "--nrow", "0"], "expected a positive integer, got '0'"),
+                      (["generate", "--cfg-scale", "nan"], "expected a finite number, got 'nan'"),
+                      (["eval", "--temperature", "inf"], "expected a finite number, got 'inf'"),
+                      (["serve", "--port", "99999"], "expected a TCP port 0..65535, got '99999'")]:
+        with pytest.raises(SystemExit) as e:  # (argparse: usage and the message, status 2)
+            main(argv + ["--out", str(tmp_path)] if argv[0] != "serve" else argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, msg in [
+        (["generate", "--model", "random-small", "--caption-features", str(afile)], "for text-conditional (t2i) models"),
+        (["generate", "--model", "random-small", "--device", "bogus"], "unknown device 'bogus'"),
+        (["generate", "--model", "random-small", "--num-images", "1", "--out", str(afile / "x")], "Not a directory"),
+        (["analyze", "--rho", "0.25,2", "--out", str(tmp_path)], "--rho: [2.0] out of range"),
+        (["bench", "--batch", "8,0"], "--batch sizes must be >= 1"),
+        (["train", "classifier", "--out", str(tmp_path / "c.txt")], "must end in .safetensors"),
+        (["train", "classifier", "--out", str(afile / "c.safetensors")], "is a file, not a folder"),
+        (["convert", str(afile), str(tmp_path / "o.safetensors")], "unknown checkpoint extension"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error:") and msg in err, (argv, err)
+    (tmp_path / "garbage.pt").write_bytes(b"not a pickle at all")
+    assert main(["convert", str(tmp_path / "garbage.pt"), str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint torch.load(weights_only=True) can read" in err and len(err.splitlines()) == 1
+
+
 def test_models_and_convert(tmp_path, capsys):
     assert main(["models", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
@@ -55,6 +87,9 @@ def test_models_and_convert(tmp_path, capsys):
     from safetensors.torch import load_file
 
     assert load_file(str(tmp_path / "a.safetensors"))["w"].shape == (3, 4)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # (not mkstemp's 0600)
 
 
 def test_policies_listing(capsys):

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -142,11 +144,42 @@ def test_two_half_batches_give_the_same_images(model_type, policy):
     (dict(top_p=0.0), "top_p"),
     (dict(cfg_interval=-3), "cfg_interval"),
     (dict(seed=[1, 2]), "seed has 2 values for 3"),
+    (dict(cfg_scale=float("nan")), "cfg_scale must be a finite number"),
+    (dict(cfg_scale=-0.5), r"cfg_scale must be >= 0"),
+    (dict(temperature=[1.0, float("inf"), 1.0]), "temperature must be a finite number"),
+    (dict(top_k=2.5), "top_k must be a whole number"),
+    (dict(top_k="3"), "top_k must be a finite integer"),
+    (dict(seed=1.5), "seed must be a whole number"),
+    (dict(seed=None), "seed must be a finite integer"),
 ])
 def test_bad_sampling_arguments(kw, msg):
     gen = Generator(random_gpt("c2i"), device="cpu")
     with pytest.raises(ValueError, match=msg):
         gen.sample_tokens([0, 1, 2], **kw)
+
+
+@pytest.mark.parametrize("cond,msg", [
+    ([0, 1.5], "class labels must be a whole number"),
+    (None, "class labels must be an int or a sequence of ints"),
+    ("2", "class labels must be an int or a sequence of ints"),
+    ([True], "class labels must be a finite integer"),
+])
+def test_class_labels_that_are_not_integers_are_rejected_not_truncated(cond, msg):
+    gen = Generator(random_gpt("c2i"), device="cpu")
+    with pytest.raises(ValueError, match=msg):
+        gen.sample_tokens(cond)
+
+
+def test_devices_and_kernels_that_cannot_run_here_are_named():
+    gpt = random_gpt("c2i")
+    with pytest.raises(ValueError, match="unknown device 'bogus': use cpu, cuda or cuda:N"):
+        Generator(gpt, device="bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available on this machine"):
+            Generator(gpt, device="cuda")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            with pytest.raises(ValueError, match="kernel 'triton' runs on CUDA"):
+                Generator(gpt, device="cpu", kernel="triton")
 
 
 def test_out_of_range_class_is_rejected():

@@ -153,6 +153,13 @@ def test_bad_input_gets_a_4xx_saying_what_and_what_is_allowed(served, what, body
         assert w in detail, f"{w!r} not in {detail!r}"
 
 
+def test_a_wrong_path_or_method_names_what_the_server_answers(served):
+    client = served[3]
+    for r, status in ((client.get("/v1/generat"), 404), (client.get("/v1/generate"), 405)):
+        assert r.status_code == status
+        assert "this server answers POST /v1/generate" in r.json()["detail"], r.text
+
+
 def test_guidance_on_a_model_without_a_null_class_is_refused():
     from conftest import random_gpt
 
@@ -345,6 +352,15 @@ def test_arsparse_serve_rejects_a_bad_policy_before_loading(capsys):
 
     assert main(["serve", "--policy", "diagonal", "--policy-arg", "rows=-1"]) == 2
     assert "rows must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_a_bad_default_guidance_fails_when_the_app_is_made():
+    from arsparse.serve import create_app
+
+    gpt, tok = tiny_model()
+    for bad, msg in ((float("nan"), "cfg_scale must be a finite number"), (-3.0, "cfg_scale must be >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            create_app(gpt, tok, cfg_scale=bad)
 
 
 def test_serve_config_is_validated():

@@ -6,7 +6,7 @@ import shlex
 import sys
 import time
 
-from ..cliargs import add_model_args, build_model, int_list, load_features
+from ..cliargs import add_model_args, build_model, finite_float, int_list, load_features
 
 __all__ = ["add_analyze_parser", "cmd_analyze", "parse_steps"]
 
@@ -58,12 +58,21 @@ def parse_steps(text: str | None, n_steps: int) -> list[int] | None:
 def cmd_analyze(args) -> int:
     import torch
 
+    from ..engine.generator import sampling_rows
     from .metrics import MetricConfig
     from .report import DEFAULT_RHOS, analyze, write_report
 
+    bad = [r for r in args.rho or [] if not 0 < r <= 1]
+    if bad:
+        raise ValueError(f"--rho: {bad} out of range; each rho (kept / dense) must be in (0, 1]")
     gpt, tok, name, cfg_scale = build_model(args, need_tokenizer=False)
     cfg = gpt.config
+    cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
+    sampling_rows(1, cfg_scale=cfg_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     cond = None
+    if cfg.model_type == "c2i" and args.caption_features:
+        raise ValueError("--caption-features is for text-conditional (t2i) models; this one is class-conditional: "
+                         "give --classes")
     if cfg.model_type == "t2i" and args.caption_features:
         feats = load_features(args.caption_features)
         cond = feats[torch.arange(args.num_images) % feats.shape[0]]
@@ -78,7 +87,7 @@ def cmd_analyze(args) -> int:
     t0 = time.perf_counter()
     a = analyze(gpt, tok, num_images=args.num_images, classes=args.classes, cond=cond,
                 real_tokens="auto" if args.real == "auto" else None, steps=steps, layers=args.layers,
-                heads=args.heads, config=config, cfg_scale=cfg_scale if args.cfg_scale is None else args.cfg_scale,
+                heads=args.heads, config=config, cfg_scale=cfg_scale,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, device=args.device,
                 dtype=args.dtype, policies=not args.no_policies, rhos=args.rho or DEFAULT_RHOS,
                 control=not args.no_control, progress=not args.quiet, model_name=name)
@@ -118,10 +127,10 @@ def add_analyze_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--real", choices=["auto", "none"], default="auto",
                    help="prefill on real images when the model has them (its held-out split: the Fashion-MNIST "
                         "test set for fashion-c2i, the held-out emoji for emoji-c2i)")
-    a.add_argument("--cfg-scale", type=float, default=None, help="decode guidance (default: the bundle's)")
-    a.add_argument("--temperature", type=float, default=1.0)
+    a.add_argument("--cfg-scale", type=finite_float, default=None, help="decode guidance (default: the bundle's)")
+    a.add_argument("--temperature", type=finite_float, default=1.0)
     a.add_argument("--top-k", type=int, default=0)
-    a.add_argument("--top-p", type=float, default=1.0)
+    a.add_argument("--top-p", type=finite_float, default=1.0)
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     a.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")

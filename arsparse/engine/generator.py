@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import gc
+import math
+import numbers
 import os
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -24,8 +27,22 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 
 
 def resolve_device(device) -> torch.device:
-    """``device``, or CUDA when there is one and the CPU otherwise."""
-    return torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``device``, or CUDA when there is one and the CPU otherwise; a clear error for a device that is not
+    ``cpu``, ``cuda`` or ``cuda:N`` or not on this machine."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine; use cpu")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return d
 
 
 #: Compiled programs each compiled function may hold. Every batch bucket, policy and model shape is a
@@ -73,13 +90,22 @@ def bucket(n: int) -> int:
 
 
 def _per_row(name: str, value, n: int, kind=float) -> list:
+    """``value`` (a scalar or one per image) -> ``n`` values of ``kind``: floats finite, ints whole numbers."""
     vals = list(value) if isinstance(value, (Sequence, torch.Tensor)) and not isinstance(value, str) else [value] * n
     if len(vals) != n:
         raise ValueError(f"{name} has {len(vals)} values for {n} images")
     try:
-        return [kind(v) for v in vals]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {kind.__name__} values, got {value!r}") from None
+        out = [float(v) for v in vals]
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        out = None
+    if out is None or any(isinstance(v, (str, bool)) or not math.isfinite(f) for v, f in zip(vals, out)):
+        raise ValueError(f"{name} must be a finite {'integer' if kind is int else 'number'} (or one per image), "
+                         f"got {reprlib.repr(value)}")
+    if kind is int:
+        if any(not f.is_integer() for f in out):
+            raise ValueError(f"{name} must be a whole number (or one per image), got {reprlib.repr(value)}")
+        return [int(v) for v in vals]
+    return out
 
 
 def sampling_rows(B: int, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, cfg_interval=-1) -> dict[str, list]:
@@ -87,6 +113,8 @@ def sampling_rows(B: int, cfg_scale=4.0, temperature=1.0, top_k=0, top_p=1.0, cf
     rows = dict(cfg_scale=_per_row("cfg_scale", cfg_scale, B), temperature=_per_row("temperature", temperature, B),
                 top_k=_per_row("top_k", top_k, B, int), top_p=_per_row("top_p", top_p, B),
                 cfg_interval=_per_row("cfg_interval", cfg_interval, B, int))
+    if any(c < 0 for c in rows["cfg_scale"]):
+        raise ValueError(f"cfg_scale must be >= 0 (1 = no guidance), got {rows['cfg_scale']}")
     if any(t < 0 for t in rows["temperature"]):
         raise ValueError(f"temperature must be >= 0, got {rows['temperature']}")
     if any(k < 0 for k in rows["top_k"]):
@@ -102,7 +130,8 @@ def row_keys(seed, B: int) -> list[int]:
     """Noise keys of B images: an int seed gives image i the key (seed, i); a list, (seed[i], 0)."""
     if isinstance(seed, Sequence):
         return [row_key(s, 0) for s in _per_row("seed", seed, B, int)]
-    return [row_key(int(seed), i) for i in range(B)]
+    s = _per_row("seed", [seed], 1, int)[0]
+    return [row_key(s, i) for i in range(B)]
 
 
 @dataclass(frozen=True)
@@ -331,6 +360,9 @@ class Generator:
         self.kernel = kernel or default_kernel(self.device)
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose one of {KERNELS}")
+        if self.kernel == "triton" and not _triton_runs_on(self.device):
+            raise ValueError(f"kernel 'triton' runs on CUDA with triton installed (the CPU only under "
+                             f"TRITON_INTERPRET=1, for tests); on {self.device} use kernel 'torch'")
         if streams not in (1, 2):
             raise ValueError(f"streams must be 1 or 2, got {streams!r}")
         self.streams = streams
@@ -343,9 +375,22 @@ class Generator:
     def as_cond(self, cond) -> torch.Tensor:
         """Class labels (ints) or caption features -> a checked tensor on the device."""
         if self.config.model_type == "c2i":
-            cond = torch.as_tensor(cond if not isinstance(cond, int) else [cond], dtype=torch.long)
+            if isinstance(cond, torch.Tensor) and not cond.is_floating_point() and cond.dtype != torch.bool:
+                cond = cond.long()
+            else:  # (a label like 1.5 or "3" is an error, not truncated or parsed)
+                try:
+                    labels = [cond] if isinstance(cond, numbers.Integral) else None if isinstance(cond, str) else list(cond)
+                except TypeError:
+                    labels = None
+                if labels is None:
+                    raise ValueError(f"class labels must be an int or a sequence of ints, got {reprlib.repr(cond)}")
+                cond = torch.tensor(_per_row("class labels", labels, len(labels), int), dtype=torch.long)
         else:
-            cond = torch.as_tensor(cond, dtype=torch.float32)
+            try:
+                cond = torch.as_tensor(cond, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"caption features must be a (B, tokens, dim) float tensor or array, got "
+                                 f"{reprlib.repr(cond)}") from None
         self.gpt.check_cond(cond)
         return cond.to(self.device, non_blocking=True)  # from pageable memory: staged at once, no stream sync
 

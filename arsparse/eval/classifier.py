@@ -317,9 +317,12 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     """Train and save as ``args`` say (shared by ``main`` and ``arsparse train classifier``)."""
+    from ..checkpoint import check_output_file
+
+    out = check_output_file(args.out or CLASSIFIER_FILES[args.dataset])  # (before minutes of training)
     epochs = args.epochs or DEFAULT_EPOCHS[args.dataset]
     model, summary = train_classifier(args.dataset, epochs, args.batch, args.lr, args.seed, device=args.device)
-    summary = save_classifier(model, summary, args.out or CLASSIFIER_FILES[args.dataset])
+    summary = save_classifier(model, summary, out)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=1))
     return 0
 

@@ -9,7 +9,7 @@ import argparse
 import shlex
 import sys
 
-from ..cliargs import positive_int
+from ..cliargs import finite_float, positive_int
 
 __all__ = ["add_eval_parser", "cmd_eval", "parse_policy_args", "main"]
 
@@ -181,13 +181,13 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--ref-images", type=positive_int, default=10000,
                    help="held-out images in the Fréchet reference (capped by the data)")
     e.add_argument("--seed", type=int, default=0, help="image i uses seed+i under every policy")
-    e.add_argument("--cfg-scale", type=float, default=None, help="guidance (default: the bundle's)")
-    e.add_argument("--temperature", type=float, default=1.0)
+    e.add_argument("--cfg-scale", type=finite_float, default=None, help="guidance (default: the bundle's)")
+    e.add_argument("--temperature", type=finite_float, default=1.0)
     e.add_argument("--match-entropy", action="store_true",
                    help="sample each policy at the temperature where its guided next-token entropy on the "
                         "teacher-forcing images equals dense's at --temperature (arsparse.eval.entropy)")
     e.add_argument("--top-k", type=int, default=0)
-    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--top-p", type=finite_float, default=1.0)
     e.add_argument("--batch-size", type=positive_int, default=250, help="images per generation batch")
     e.add_argument("--nll-batch", type=positive_int, default=64, help="images per teacher-forced batch")
     e.add_argument("--grid-images", type=int, default=40, help="images in each policy's grid")

@@ -130,6 +130,10 @@ class EvalConfig:
             raise ValueError(f"fd_infinity needs num_samples >= 8 (subsets of several sizes), got {self.num_samples}")
         if not isinstance(self.match_entropy, bool):
             raise ValueError(f"match_entropy is a bool, got {self.match_entropy!r}")
+        from ..engine.generator import sampling_rows  # (NaN, negative or non-integral sampling settings: now)
+
+        sampling_rows(1, cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale, temperature=self.temperature,
+                      top_k=self.top_k, top_p=self.top_p)
         if self.match_entropy and (self.nll_images < 1 or not self.temperature > 0):
             raise ValueError("match_entropy measures entropies on the teacher-forcing images at a positive temperature: "
                              f"it needs nll_images >= 1 (got {self.nll_images}) and temperature > 0 (got {self.temperature})")

@@ -82,6 +82,7 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
     so a bad one fails here). ``cfg_scale``: the guidance a request gets unless it asks.
     """
     config = config or ServeConfig()
+    sampling_rows(1, cfg_scale=cfg_scale)  # (a NaN or negative default guidance fails here, not in every request)
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer to turn tokens into images")
     device = resolve_device(device)
@@ -116,7 +117,11 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
             return JSONResponse(status_code=422, content=dict(
                 detail=f"invalid request: the body could not be read as JSON ({exc.detail}); send a UTF-8 JSON "
                        f"object such as {example}"))
-        return JSONResponse(status_code=exc.status_code, content=dict(detail=str(exc.detail)), headers=exc.headers)
+        detail = str(exc.detail)
+        if exc.status_code in (404, 405):  # (say what is there)
+            detail += (f": {request.method} {request.url.path}; this server answers POST /v1/generate and GET "
+                       "/v1/models, /v1/policies, /health, /metrics, /docs, /openapi.json and /")
+        return JSONResponse(status_code=exc.status_code, content=dict(detail=detail), headers=exc.headers)
 
     @app.exception_handler(ServeError)
     async def on_serve_error(request: Request, exc: ServeError):

@@ -1,10 +1,11 @@
 """``arsparse serve`` and ``arsparse serve-bench`` (thin: they build a model and an app, then run it)."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
-from ..cliargs import add_model_args, build_model, positive_int
+from ..cliargs import add_model_args, build_model, finite_float, positive_int
 
 
 def _need_serve_extra() -> None:
@@ -83,7 +84,7 @@ def _add_server_args(p) -> None:
     p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE", help="its parameters, repeatable")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--cfg-scale", type=float, default=None, help="guidance when a request gives none (default: the bundle's)")
+    p.add_argument("--cfg-scale", type=finite_float, default=None, help="guidance when a request gives none (default: the bundle's)")
     p.add_argument("--max-batch", type=positive_int, default=32, help="images decoded at once per policy, at most")
     p.add_argument("--kv-memory-gb", type=float, default=None,
                    help="KV cache budget per policy; sets the slot pool (default: free GPU memory on cuda)")
@@ -99,11 +100,17 @@ def _add_server_args(p) -> None:
                    help="torch.compile the transformer blocks (any batch size; slow to build at the first requests)")
 
 
+def port_number(text: str) -> int:
+    if not (text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected a TCP port 0..65535, got {text!r}")
+    return int(text)
+
+
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="HTTP server with continuous batching, a web page and Prometheus metrics")
     _add_server_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000)
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 
