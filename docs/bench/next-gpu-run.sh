@@ -14,15 +14,11 @@
 # Quality calls (issue 5) run one sweep a call (4 files back; about 100 s a policy and budget after 105 s of
 # dense at 3,000 samples), e.g. `POLICIES=lines,tova RHOS=0.35,0.5 SAMPLES=3000 bash docs/eval/fd-infinity.sh
 # sweep emoji` (run 25), after `prepare emoji` here, parking what it lists and docs/bench/run*/, carrying .ft.
-# Next quality call (issue 5): is the classifier's +11.5 % real? Run 27 measured session 22's remainder
-# fine-tune at its entropy-matched temperature (MobileNetV2's FD +0.1 %, classifier's +11.5 % [+0.1,
-# +22.9] at 4,000 samples). The same at 10,000 samples (about 400 s): here `xz -dc
-# /work/park/s30-tuned/tuned.safetensors.xz.* > /tmp/tuned.safetensors` (sha256 d1ac11ae...; if gone,
-# first retrain it in a call of its own: `POLICY=diagonal:remainder=true TRAIN_S=300 SEEDS= BASELINE=0
-# bash docs/models/sparse-finetune.sh run fashion`, 320 s, weights back as tuned.safetensors.xz.*), then
-# `INIT=/tmp/tuned.safetensors bash docs/eval/fd-infinity.sh prepare fashion` (park what it lists and
-# docs/eval/*/), and on the GPU `POLICIES=dense,diagonal:remainder=true SAMPLES=10000 NLL_IMAGES=512
-# EVAL_ARGS=--match-entropy bash docs/eval/fd-infinity.sh run fashion` (carry .ft).
+# Run 28 answered the last planned quality call: the remainder fine-tune at its matched temperature is
+# +25.5 % [+16.5, +34.5] on the classifier's FD at 10,000 samples (not shipped). The retrain-then-eval
+# pattern it used: `POLICY=... TRAIN_S=300 SEEDS= BASELINE=0 bash docs/models/sparse-finetune.sh run
+# fashion` (weights back as tuned.safetensors.xz.*: `cat` them over .ft/gpt.safetensors.xz), then
+# `POLICIES=dense,... SAMPLES=10000 NLL_IMAGES=512 bash docs/eval/fd-infinity.sh run fashion` (carry .ft).
 # JSON under $OUT; the last lines printed are the tables. Run with `bash ... a` (not `python -m` from
 # another tree: `python -m` imports the working directory's package ahead of PYTHONPATH).
 export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
