@@ -221,7 +221,7 @@ def bench_policies(specs: list[str], layout, n_layer: int, n_head: int, match_bu
 def bench(preset: str, image_tokens: int, batches: list, policies: list[str], kernels: list[str],
           cfg_scale: float = 4.0, dtype=torch.bfloat16, device="cuda", seed: int = 0, compile: bool | str = False,
           memory_gb: float | None = None, out: str | None = None, profile: bool = False, matvec: bool = False,
-          streams: int = 1, variants: tuple = (), match_budget: bool = False) -> dict:
+          streams: int = 1, variants: tuple = (), match_budget: bool = False, layers: int | None = None) -> dict:
     """Time full generations (prefill + every decode step) for each policy x kernel x batch.
 
     ``batches`` holds ints or ``"max"`` (the largest batch the policy's cache allows in ``memory_gb``,
@@ -231,7 +231,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     blocks through the Triton matrix-vector kernels (steps of at most 16 rows; see ``Generator``).
     ``variants``: :class:`Variant` s, each timed again for every policy, kernel and batch after the
     run's own settings (rows labelled with the variant; ratios to dense within a variant).
-    ``match_budget``: see :func:`bench_policies`.
+    ``match_budget``: see :func:`bench_policies`. ``layers``: the preset with this many transformer
+    blocks instead of its own (steps of a few layers give the step's cost outside the blocks).
     """
     from .engine.throughput import max_batch
 
@@ -239,7 +240,9 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device, and "
                          f"{'none is available here' if not torch.cuda.is_available() else f'{device} is not one'}")
-    cfg = gpt_config(preset, image_tokens=image_tokens)
+    if layers is not None and (type(layers) is not int or layers < 1):
+        raise ValueError(f"layers must be a positive int, got {layers!r}")
+    cfg = gpt_config(preset, image_tokens=image_tokens, **({} if layers is None else dict(n_layer=layers)))
     chosen = bench_policies(policies, Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w), cfg.n_layer, cfg.n_head,
                             match_budget)  # (bad names and budgets fail here, before the model is built)
     gpt = _random_gpt(cfg, device, dtype)
@@ -250,8 +253,8 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     mem = None if memory_gb is None else int(memory_gb * 2**30)
     rows_out = []
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                host=platform.node(), model=preset, tokens=image_tokens, dtype=str(dtype), cfg_scale=cfg_scale,
-                compile=compile, matvec=matvec, streams=streams, copy_bandwidth_gb_s=bw / 1e9,
+                host=platform.node(), model=preset, layers=cfg.n_layer, tokens=image_tokens, dtype=str(dtype),
+                cfg_scale=cfg_scale, compile=compile, matvec=matvec, streams=streams, copy_bandwidth_gb_s=bw / 1e9,
                 matmul_tflops=rate / 1e12, **_kernel_settings(),
                 matvec_launch=_matvec_launch() if matvec else None)
 
@@ -427,6 +430,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch takes comma-separated integers or 'max', got {args.batch!r}") from None
     if any(b != "max" and b < 1 for b in batches):
         raise ValueError(f"--batch sizes must be >= 1 (or max), got {args.batch!r}")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.ring_launch:  # the offset policies' ring kernel, for this run (the launch sweep's candidates)
@@ -441,7 +446,7 @@ def cmd_bench(args) -> int:
     result = bench(args.preset, args.image_tokens, batches, split_specs(args.policies), args.kernels.split(","),
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants,
-                   match_budget=args.match_budget)
+                   match_budget=args.match_budget, layers=args.layers)
     if args.llamagen_src:
         from .reference_sampler import time_llamagen
 
@@ -473,6 +478,8 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="time decoding on the GPU against its bandwidth and arithmetic floors")
     b.add_argument("--preset", default="GPT-XL")
     b.add_argument("--image-tokens", type=int, default=576)
+    b.add_argument("--layers", type=int, help="transformer blocks instead of the preset's (e.g. 1: what a step "
+                   "costs outside the blocks)")
     b.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes, or max (throughput mode)")
     b.add_argument("--policies", default="dense",
                    help="policies with optional settings, separated by ';' or ',': 'dense;diagonal;h2o:rho=0.14' "
@@ -506,7 +513,7 @@ def add_bench_parser(sub) -> None:
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
-                        "kernel: block_n, small_block_n, num_warps, num_stages, dot, small_dot and prefetch 0|1), "
+                        "kernel: block_n, small_block_n, num_warps, num_stages, small_splits, dot, small_dot and prefetch 0|1), "
                         "slots.KEY (the scored policies' slot kernel: block_n, late_cast 0|1, num_warps, num_stages), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")

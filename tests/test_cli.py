@@ -63,6 +63,7 @@ def test_bad_values_fail_before_any_work_with_a_message(tmp_path, capsys):
         (["generate", "--model", "random-small", "--num-images", "1", "--out", str(afile / "x")], "Not a directory"),
         (["analyze", "--rho", "0.25,2", "--out", str(tmp_path)], "--rho: [2.0] out of range"),
         (["bench", "--batch", "8,0"], "--batch sizes must be >= 1"),
+        (["bench", "--layers", "0"], "--layers must be >= 1"),
         (["train", "classifier", "--out", str(tmp_path / "c.txt")], "must end in .safetensors"),
         (["train", "classifier", "--out", str(afile / "c.safetensors")], "is a file, not a folder"),
         (["convert", str(afile), str(tmp_path / "o.safetensors")], "unknown checkpoint extension"),

@@ -74,6 +74,22 @@ def test_few_row_head_pairs_take_the_small_tile_and_more_splits(small, big, monk
     assert decode.choose_splits(8, 1, 200, cpu, tile=16) == 4 and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
 
 
+@pytest.mark.parametrize("cap", [1, 3])
+def test_small_splits_caps_the_splits_below_one_pair_per_sm_only(cap, monkeypatch):
+    """``small_splits`` bounds the dense kernel's splits where the pairs do not fill the GPU; the slot
+    kernel's (its own tile) and full-GPU launches keep theirs. One split writes the output itself."""
+    from arsparse.kernels.triton import decode
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, small_block_n=16, block_n=16, small_splits=cap))
+    assert decode.choose_splits(1, 1, 200, cpu) == cap  # 13 tiles, 32 splits wanted
+    assert decode.choose_splits(8, 1, 200, cpu) == 4 and decode.choose_splits(1, 1, 200, cpu, tile=16) == 13
+    inputs, (want, want_k, want_v) = random_decode_case(1, 4, 2, 200, 32, "rows", torch.float32, 11 * cap, DEVICE)
+    got = decode_attention(*inputs, num_splits=decode.choose_splits(1, 2, 200, cpu))
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    _same([inputs[3].cpu(), inputs[4].cpu()], [want_k, want_v])
+
+
 @pytest.mark.parametrize("dot,small_dot", [(1, 0), (0, 1)])
 def test_tensor_cores_follow_whether_the_pairs_fill_the_gpu(dot, small_dot, monkeypatch):
     """``dot`` applies where the (row, kv head) pairs give each SM one (8 off CUDA), ``small_dot`` below."""
@@ -94,7 +110,8 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
                       ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),
                       ('{"num_stages": 0}', "an int >= 1"), ('{"prefetch": 2}', "prefetch=2 is invalid: must be 0 or 1"),
-                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid")):
+                      ('{"dot": true}', "dot=True is invalid"), ('{"small_dot": 2}', "small_dot=2 is invalid"),
+                      ('{"small_splits": -1}', "small_splits=-1 is invalid: must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             decode.parse_launch(text)
 

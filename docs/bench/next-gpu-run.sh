@@ -8,6 +8,8 @@
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process (ran in run 23: 58-93 s)
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's settings: sweep, then h2o and headkv in whole steps
 #   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256 (93 s, run 25)
+#   bash docs/bench/next-gpu-run.sh l   # batch 1: the step outside the blocks, and the matvec kernel's warps (78 s, run 29)
+#   bash docs/bench/next-gpu-run.sh d   # batch 1: the dense split kernel's tiles and splits (31 s, run 29)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
@@ -26,7 +28,19 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, t, b, c or r} in
+case ${1:?s, a, t, b, c, r, l or d} in
+l)  # batch 1: what a step costs outside the blocks (one layer, profiled), then the matvec kernel's warps (run 29)
+  B 150 --image-tokens 576 --batch 1 --matvec --profile --layers 1 --policies "dense;diagonal" \
+    --out "$OUT/b1-576-layers1.json" | grep "|\|ms/step"
+  B 400 --image-tokens 576 --batch 1 --matvec --policies "dense;diagonal" --out "$OUT/b1-576-matvec.json" \
+    --variant matvec.num_warps=2 --variant matvec.num_warps=2,matvec.block_n=2 \
+    --variant matvec.num_warps=1,matvec.block_n=2 | grep "|" ;;
+d)  # batch 1, dense: longer tiles, fewer splits, one split per (row, head) without the combine launch (run 29)
+  B 500 --image-tokens 576 --batch 1 --matvec --policies dense --out "$OUT/b1-576-dense.json" \
+    --variant dense.small_block_n=256,dense.num_warps=8,dense.small_splits=1 \
+    --variant dense.small_block_n=128,dense.num_warps=4,dense.small_splits=1 \
+    --variant dense.small_block_n=128,dense.num_warps=4,dense.small_splits=1,dense.prefetch=1 \
+    --variant dense.small_block_n=256,dense.num_warps=8 --variant dense.small_block_n=32 | grep "|" ;;
 s)
   timeout 240 bash docs/bench/kernel-sweep.sh slots 2>&1 | tail -12
   B 300 --image-tokens 576 --batch 256 --compile --match-budget --policies "dense;h2o;headkv" \
@@ -52,5 +66,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, t, b, c or r, got $1"; exit 2 ;;
+*) echo "part s, a, t, b, c, r, l or d, got $1"; exit 2 ;;
 esac

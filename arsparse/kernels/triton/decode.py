@@ -21,15 +21,18 @@ from .settings import parse_tile_launch
 #: split that finishes last merging the splits, by tickets, in place of the combine launch: run 22, batch 1
 #: 1.110 -> 1.096 ms at 576 tokens, 1.433 -> 1.440 at 4,096, batch 8 1.725 -> 1.757: removed. Fewer,
 #: longer splits at batch 1, one per (row, head) below 640 keys with no combine launch: 1.286 ms, two
-#: 1.263, run 23 at 2f1368a: removed.)
-LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0)
+#: 1.263, run 23 at 2f1368a: removed.) ``small_splits``: at most this many splits below one pair per SM (0: as
+#: :func:`choose_splits` picks; 1: one program per (row, head), no combine launch; run 29 on an H100, batch 1
+#: dense: 1.238-1.531 ms with 128- or 256-key tiles against the engine's 1.170; 32-key tiles 1.278).
+LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0, small_splits=0)
 
 
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
-    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1). For ``arsparse bench
-    --variant dense.KEY=VALUE``."""
-    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"))
+    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1, ``small_splits`` an
+    int >= 0). For ``arsparse bench --variant dense.KEY=VALUE``."""
+    return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"),
+                             counts=("small_splits",))
 
 
 def sm_count(device: torch.device) -> int:
@@ -55,9 +58,11 @@ def tensor_cores(rows: int, kv_heads: int, device: torch.device) -> bool:
 
 def choose_splits(rows: int, kv_heads: int, max_len: int, device: torch.device, tile: int | None = None) -> int:
     """Enough (row, head, split) programs to fill the GPU about four times over, at least a tile each
-    (``tile`` keys: the split kernel's :func:`block_n` unless given, as the slot kernel gives its own)."""
+    (``tile`` keys: the split kernel's :func:`block_n` unless given, as the slot kernel gives its own; without
+    ``tile``, at most ``LAUNCH["small_splits"]`` when set and the pairs do not fill the GPU)."""
     want = max(1, -(-4 * sm_count(device) // (rows * kv_heads)))
-    return max(1, min(want, -(-max_len // (tile or block_n(rows, kv_heads, device))), 64))
+    cap = LAUNCH["small_splits"] if tile is None and not fills_gpu(rows, kv_heads, device) else 0
+    return max(1, min(want, -(-max_len // (tile or block_n(rows, kv_heads, device))), cap or 64))
 
 
 def position_stride(pos: torch.Tensor, rows: int, device: torch.device) -> int:

@@ -23,7 +23,8 @@ MAX_ROWS = 16
 #: ``weights_first``: 1 makes a launch whose rows fit one chunk ask for its weight tile before it
 #: reads (and normalises) the input, and read the input once (more registers): run 9 at batch 1, dense
 #: step 1.457 against 1.473 ms, diagonal 1.336 against 1.355. (Prefetching the next launches' weights
-#: into the L2 was slower, 1.495 / 1.371, and was removed.)
+#: into the L2 was slower, 1.495 / 1.371, and was removed. Fewer warps, run 29 on an H100, dense / diagonal
+#: at batch 1: 2 warps 1.218 / 1.113 against 1.166 / 1.042; with 2 weight rows 1.326 / 1.188.)
 LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1)
 
 

@@ -16,13 +16,15 @@ def json_settings(text: str, defaults: dict, what: str) -> dict:
     return given
 
 
-def parse_tile_launch(text: str, defaults: dict, what: str, switches: tuple = ()) -> dict:
-    """``text`` (JSON) -> ``defaults`` with those settings, checked: ``switches`` 0 or 1, ``num_stages``
-    an int >= 1, ``num_warps`` 1, 2, 4, 8 or 16, any other key (a tile size) a power of 2 >= 16."""
+def parse_tile_launch(text: str, defaults: dict, what: str, switches: tuple = (), counts: tuple = ()) -> dict:
+    """``text`` (JSON) -> ``defaults`` with those settings, checked: ``switches`` 0 or 1, ``counts`` ints
+    >= 0, ``num_stages`` an int >= 1, ``num_warps`` 1, 2, 4, 8 or 16, any other key (a tile size) a power of 2 >= 16."""
     given = json_settings(text, defaults, what)
     for k, v in given.items():
         if k in switches:
             ok, allowed = type(v) is int and v in (0, 1), "0 or 1"
+        elif k in counts:
+            ok, allowed = type(v) is int and v >= 0, "an int >= 0"
         elif k == "num_stages":
             ok, allowed = type(v) is int and v >= 1, "an int >= 1"
         elif k == "num_warps":
