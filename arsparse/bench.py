@@ -232,7 +232,7 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     ``variants``: :class:`Variant` s, each timed again for every policy, kernel and batch after the
     run's own settings (rows labelled with the variant; ratios to dense within a variant).
     ``match_budget``: see :func:`bench_policies`. ``layers``: the preset with this many transformer
-    blocks instead of its own (steps of a few layers give the step's cost outside the blocks).
+    blocks instead of its own (checked by GPTConfig; a step of one block gives the cost outside the blocks).
     """
     from .engine.throughput import max_batch
 
@@ -240,8 +240,6 @@ def bench(preset: str, image_tokens: int, batches: list, policies: list[str], ke
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError("arsparse bench measures GPU speed: it needs a CUDA device, and "
                          f"{'none is available here' if not torch.cuda.is_available() else f'{device} is not one'}")
-    if layers is not None and (type(layers) is not int or layers < 1):
-        raise ValueError(f"layers must be a positive int, got {layers!r}")
     cfg = gpt_config(preset, image_tokens=image_tokens, **({} if layers is None else dict(n_layer=layers)))
     chosen = bench_policies(policies, Layout(cfg.cls_token_num, cfg.grid_h, cfg.grid_w), cfg.n_layer, cfg.n_head,
                             match_budget)  # (bad names and budgets fail here, before the model is built)
@@ -513,7 +511,8 @@ def add_bench_parser(sub) -> None:
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
-                        "kernel: block_n, small_block_n, num_warps, num_stages, small_splits, dot, small_dot and prefetch 0|1), "
+                        "kernel: block_n, small_block_n, num_warps, num_stages, small_splits, dot, small_dot and "
+                        "prefetch 0|1), "
                         "slots.KEY (the scored policies' slot kernel: block_n, late_cast 0|1, num_warps, num_stages), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
