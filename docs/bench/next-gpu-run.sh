@@ -10,7 +10,7 @@
 #   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256 (93 s, run 25)
 #   bash docs/bench/next-gpu-run.sh l   # batch 1: the step outside the blocks, and the matvec kernel's warps (78 s, run 29)
 #   bash docs/bench/next-gpu-run.sh d   # batch 1: the dense split kernel's tiles and splits (31 s, run 29)
-#   bash docs/bench/next-gpu-run.sh p   # batch 1: matvec programs that take several blocks in turn (run 30)
+#   bash docs/bench/next-gpu-run.sh p   # batch 1: the projections with weights through TMA boxes (run 30)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
@@ -30,13 +30,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
 case ${1:?s, a, t, b, c, r, l, d or p} in
-p)  # batch 1: matvec programs taking `tiles` blocks of weight rows in turn, the next block's loads first (run 30)
-  timeout 150 python3 -m pytest -q -rf --tb=short tests/test_matvec.py > "$OUT/test_cuda_p.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_cuda_p.txt" | tail -5
-  B 420 --image-tokens 576 --batch 1 --matvec --policies "dense;diagonal" --out "$OUT/b1-576-tiles.json" \
-    --variant matvec.tiles=2 --variant matvec.tiles=4 --variant matvec.tiles=8 \
-    --variant matvec.tiles=4,matvec.block_n=2 --variant matvec.tiles=8,matvec.block_n=2 \
-    --variant matvec.tiles=2,matvec.num_warps=8 | grep "|" ;;
+p)  # batch 1: GPT-XL's projections, the engine's kernel against cuBLAS and TMA-streamed weights (run 30)
+  timeout 500 python3 docs/bench/matvec_tma.py --check --out "$OUT/matvec_tma.json" 2>&1 | grep -v Warn ;;
 l)  # batch 1: what a step costs outside the blocks (one layer, profiled), then the matvec kernel's warps (run 29)
   B 150 --image-tokens 576 --batch 1 --matvec --profile --layers 1 --policies "dense;diagonal" \
     --out "$OUT/b1-576-layers1.json" | grep "|\|ms/step"

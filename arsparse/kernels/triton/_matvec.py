@@ -14,8 +14,6 @@ BLOCK_N weight rows per program and folds the ops around the product into it:
 - ``HAS_ROPE``: columns below ``rope_hi`` are rotated in interleaved pairs by the table (rows,
   D/2, 2) of cos/sin (q and k of a fused wqkv projection; pairs never straddle a block: BLOCK_N and
   the head size are even).
-- ``TILES`` (rows in one chunk): a program takes TILES blocks of BLOCK_N weight rows in turn, the next
-  block's loads issued before the current block's reductions (software pipelining in registers).
 - ``PDL`` (``_pdl.py``): launched early beside the previous launch's last programs, a program asks for
   its weights (and RoPE table) and only then waits for the previous launch's output.
 
@@ -46,73 +44,37 @@ def _normed(x, rstd, NW, kk, kmask):
 
 
 @triton.jit
-def _rope_table(ROPE, rm, mmask, n0, srope_m, rope_hi, head_dim, BLOCK_N: tl.constexpr):
-    """The cos/sin (BM, BN/2) of each interleaved pair (2j, 2j + 1) of columns [n0, n0 + BLOCK_N)."""
-    col = n0 + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first column
-    pair = (col % head_dim) // 2
-    tmask = mmask[:, None] & (col < rope_hi)[None, :]
-    t_off = rm[:, None] * srope_m + 2 * pair[None, :]
-    return tl.load(ROPE + t_off, mask=tmask, other=1.0), tl.load(ROPE + t_off + 1, mask=tmask, other=0.0)
-
-
-@triton.jit
-def _weight_tile(W, W3, rn, kk, N, kmask, sw_n, sw3_n, GLU: tl.constexpr):
-    """The (BN, BK) tile of W at rows rn, columns kk, and W3's with GLU (else W's again, unused)."""
-    wmask = (rn < N)[:, None] & kmask[None, :]
-    w = tl.load(W + rn[:, None] * sw_n + kk[None, :], mask=wmask, other=0.0)
-    w3 = w
-    if GLU:
-        w3 = tl.load(W3 + rn[:, None] * sw3_n + kk[None, :], mask=wmask, other=0.0)
-    return w, w3
-
-
-@triton.jit
-def _epilogue(acc, acc3, res, cos, sin, Y, rm, mmask, rn, N, sy_m, GLU: tl.constexpr, HAS_RES: tl.constexpr,
-              HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Columns rn of y from the fp32 product(s) (BM, BN): rounded, gated, plus the residual, rotated, stored."""
-    out_dtype = Y.dtype.element_ty
-    y = acc.to(out_dtype).to(tl.float32)  # the product as F.linear returns it
-    if GLU:  # silu(a) rounded, times b, rounded
-        s = (y / (1.0 + tl.exp(-y))).to(out_dtype).to(tl.float32)
-        y = s * acc3.to(out_dtype).to(tl.float32)
-    if HAS_RES:
-        y += res.to(tl.float32)
-    if HAS_ROPE:  # a * cos - b * sin, b * cos + a * sin
-        a, b = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # (BM, BN/2) each
-        y = tl.reshape(tl.join(a * cos - b * sin, b * cos + a * sin), (BLOCK_M, BLOCK_N))
-    tl.store(Y + rm[:, None] * sy_m + rn[None, :], y.to(out_dtype), mask=mmask[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
 def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS,
                   M, N, K, sx_m, sf_m, sw_n, sw3_n, sres_m, srope_m, sy_m, sxs_m, eps, rope_hi, head_dim,
                   HAS_F: tl.constexpr, HAS_NORM: tl.constexpr, GLU: tl.constexpr, HAS_RES: tl.constexpr,
                   HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, TILES: tl.constexpr = 1,
-                  PDL: tl.constexpr = False):
-    """Columns [pid * TILES * BLOCK_N, + TILES * BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight
-    tile is read once and multiplied into every row (a (BM, BN, BK) product summed over BK). With
-    TILES > 1 (rows in one chunk only) a program takes its TILES blocks of BLOCK_N weight rows one
-    after another, and asks for the next block's weights before it reduces the current one."""
+                  BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Columns [pid * BLOCK_N, + BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight tile is read
+    once and multiplied into every row (a (BM, BN, BK) product summed over BK)."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
-    n0 = pid * TILES * BLOCK_N
-    rn = n0 + tl.arange(0, BLOCK_N)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
     launch_next(PDL)
     # what no kernel of the step writes (PDL: before the wait, beside the previous launch's last programs)
-    cos = tl.full((BLOCK_M, BLOCK_N // 2), 1.0, tl.float32)
-    sin = tl.zeros((BLOCK_M, BLOCK_N // 2), tl.float32)
-    if HAS_ROPE:
-        cos, sin = _rope_table(ROPE, rm, mmask, n0, srope_m, rope_hi, head_dim, BLOCK_N)
+    if HAS_ROPE:  # the cos/sin of each interleaved pair (2j, 2j + 1) of a head
+        col = pid * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first column
+        pair = (col % head_dim) // 2
+        tmask = mmask[:, None] & (col < rope_hi)[None, :]
+        t_off = rm[:, None] * srope_m + 2 * pair[None, :]
+        cos = tl.load(ROPE + t_off, mask=tmask, other=1.0)  # (BM, BN/2)
+        sin = tl.load(ROPE + t_off + 1, mask=tmask, other=0.0)
     if ONE_CHUNK:  # the whole row in one chunk: the weights are asked for first, the input read once
         kmask = rk < K
-        w, w3 = _weight_tile(W, W3, rn, rk, N, kmask, sw_n, sw3_n, GLU)  # (BN, BK) each
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(W + rn[:, None] * sw_n + rk[None, :], mask=wmask, other=0.0)  # (BN, BK)
+        if GLU:
+            w3 = tl.load(W3 + rn[:, None] * sw3_n + rk[None, :], mask=wmask, other=0.0)
     wait_prior(PDL)
-    res = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if HAS_RES:  # the epilogue's operand, asked for before the product waits on anything
-        res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & (rn < N)[None, :], other=0.0)
+        res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
     if ONE_CHUNK:
         mask = mmask[:, None] & kmask[None, :]
         x = _input(X, F, rm, rk, mask, sx_m, sf_m, HAS_F)  # (BM, BK)
@@ -122,24 +84,10 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS,
             xf = x.to(tl.float32)
             x = _normed(x, 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps), NW, rk, kmask)
         xf = x.to(tl.float32)[:, None, :]  # (BM, 1, BK): a few rows, so FMAs, not tensor-core tiles
-        for t in tl.static_range(TILES):
-            if t + 1 < TILES:  # the next block's loads go out before this block's reductions
-                w_next, w3_next = _weight_tile(W, W3, rn + BLOCK_N, rk, N, kmask, sw_n, sw3_n, GLU)
-            if t > 0:
-                if HAS_RES:
-                    res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & (rn < N)[None, :],
-                                  other=0.0)
-                if HAS_ROPE:
-                    cos, sin = _rope_table(ROPE, rm, mmask, n0 + t * BLOCK_N, srope_m, rope_hi, head_dim, BLOCK_N)
-            acc = tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
-            acc3 = acc
-            if GLU:
-                acc3 = tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
-            _epilogue(acc, acc3, res, cos, sin, Y, rm, mmask, rn, N, sy_m, GLU, HAS_RES, HAS_ROPE, BLOCK_M, BLOCK_N)
-            if t + 1 < TILES:
-                w, w3, rn = w_next, w3_next, rn + BLOCK_N
+        acc = tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
+        if GLU:
+            acc3 = tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
     else:
-        tl.static_assert(TILES == 1, "several blocks a program need the row in one chunk")
         if HAS_NORM:  # the rows' mean squares (the rows are a few KB: this pass reads them from cache)
             ss = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -159,9 +107,21 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS,
                 tl.store(XS + rm[:, None] * sxs_m + kk[None, :], x, mask=tl.where(pid == 0, mask, False))
             if HAS_NORM:
                 x = _normed(x, rstd, NW, kk, kmask)
-            w, w3 = _weight_tile(W, W3, rn, kk, N, kmask, sw_n, sw3_n, GLU)
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(W + rn[:, None] * sw_n + kk[None, :], mask=wmask, other=0.0)  # (BN, BK)
             xf = x.to(tl.float32)[:, None, :]
             acc += tl.sum(xf * w.to(tl.float32)[None, :, :], axis=2)
             if GLU:
+                w3 = tl.load(W3 + rn[:, None] * sw3_n + kk[None, :], mask=wmask, other=0.0)
                 acc3 += tl.sum(xf * w3.to(tl.float32)[None, :, :], axis=2)
-        _epilogue(acc, acc3, res, cos, sin, Y, rm, mmask, rn, N, sy_m, GLU, HAS_RES, HAS_ROPE, BLOCK_M, BLOCK_N)
+    out_dtype = Y.dtype.element_ty
+    y = acc.to(out_dtype).to(tl.float32)  # (BM, BN): the product as F.linear returns it
+    if GLU:  # silu(a) rounded, times b, rounded
+        s = (y / (1.0 + tl.exp(-y))).to(out_dtype).to(tl.float32)
+        y = s * acc3.to(out_dtype).to(tl.float32)
+    if HAS_RES:
+        y += res.to(tl.float32)
+    if HAS_ROPE:  # a * cos - b * sin, b * cos + a * sin
+        a, b = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # (BM, BN/2) each
+        y = tl.reshape(tl.join(a * cos - b * sin, b * cos + a * sin), (BLOCK_M, BLOCK_N))
+    tl.store(Y + rm[:, None] * sy_m + rn[None, :], y.to(out_dtype), mask=mmask[:, None] & nmask[None, :])

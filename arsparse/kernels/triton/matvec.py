@@ -25,9 +25,7 @@ MAX_ROWS = 16
 #: step 1.457 against 1.473 ms, diagonal 1.336 against 1.355. (Prefetching the next launches' weights
 #: into the L2 was slower, 1.495 / 1.371, and was removed. Fewer warps, run 29 on an H100, dense / diagonal
 #: at batch 1: 2 warps 1.218 / 1.113 against 1.166 / 1.042; with 2 weight rows 1.326 / 1.188.)
-MAX_TILES = 16
-#: ``tiles``: blocks of block_n weight rows a program takes in turn where a row fits one chunk (1: one).
-LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1, tiles=1)
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1)
 
 
 def parse_launch(text: str) -> dict:
@@ -39,8 +37,6 @@ def parse_launch(text: str) -> dict:
             if v not in (0, 1):
                 raise ValueError(f"matvec launch setting {k}={v!r} must be 0 or 1")
             continue
-        if k == "tiles" and type(v) is int and not 1 <= v <= MAX_TILES:
-            raise ValueError(f"matvec launch setting tiles={v!r} must be from 1 to {MAX_TILES} (the loop is unrolled)")
         pow2 = k in ("block_n", "block_k", "max_tile", "num_warps")
         if type(v) is not int or v < 1 or (pow2 and v & (v - 1)) or (k == "block_n" and v < 2):
             raise ValueError(f"matvec launch setting {k}={v!r} must be a positive int"
@@ -111,10 +107,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     xs = torch.empty_like(x) if add is not None else x
     dummy = x  # (pointers of absent operands: never read)
     norm_w, eps = norm if norm is not None else (dummy, 0.0)
-    one_chunk = weights_first and bk >= K
-    tiles = cfg.pop("tiles")
-    tiles = tiles if one_chunk else 1  # (a row in chunks: one block a program)
-    grid = triton.cdiv(N, bn * tiles)
+    grid = triton.cdiv(N, bn)
     matvec_kernel[(grid,)](
         x, add if add is not None else dummy, norm_w, w, w_up if w_up is not None else w,
         residual if residual is not None else dummy, table, y, xs,
@@ -122,6 +115,6 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
         (w_up if w_up is not None else w).stride(0), residual.stride(0) if residual is not None else 0, srope,
         y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim,
         HAS_F=add is not None, HAS_NORM=norm is not None, GLU=w_up is not None, HAS_RES=residual is not None,
-        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=one_chunk, TILES=tiles,
+        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K,
         **pdl_args(x.device), **cfg)
     return (y, xs) if add is not None else y
