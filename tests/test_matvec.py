@@ -177,3 +177,30 @@ def test_the_tma_experiment_kernel_matches_f_linear(N, K, cfg):
     torch.testing.assert_close(tma.tma_matvec(x, w, **cfg), F.linear(x, w), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="multiple of 128"):
         tma.tma_matvec(x[:, :100], w[:, :100], **cfg)
+
+
+@pytest.mark.parametrize("M,dim,NH,block_r,block_k,by_cols", [(2, 96, 80, 16, 32, 1), (3, 64, 40, 8, 64, 0),
+                                                             (1, 48, 24, 32, 16, 1)])
+def test_the_fused_ffn_experiment_kernel_matches_swiglu(M, dim, NH, block_r, block_k, by_cols):
+    """docs/bench/ffn_fused.py's kernel (run 32's experiment): RMSNorm + SwiGLU in one launch, w2's reduction
+    split over the programs and added with atomics; the second buffer zeroed; hidden units and columns off the blocks."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "bench" / "ffn_fused.py"
+    spec = importlib.util.spec_from_file_location("ffn_fused", path)
+    exp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exp)
+    g = torch.Generator().manual_seed(M * dim + NH)
+    h = torch.randn(M, dim, generator=g).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE)
+    w1, w3 = ((torch.randn(NH, dim, generator=g) / dim**0.5).to(DEVICE) for _ in range(2))
+    w2 = (torch.randn(dim, NH, generator=g) / NH**0.5).to(DEVICE)
+    acc, other = torch.zeros(M, dim, device=DEVICE), torch.full((M, 2 * dim), float("nan"), device=DEVICE)
+    got = exp.ffn(h, nw, 1e-5, w1, w3, w2.t().contiguous().t() if by_cols else w2, acc, zero=other,
+                  block_r=block_r, block_k=block_k)
+    want = F.linear(F.silu(F.linear(rms_norm(h, nw, 1e-5), w1)) * F.linear(rms_norm(h, nw, 1e-5), w3), w2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert bool((other == 0).all())
+    with pytest.raises(ValueError, match="shapes"):
+        exp.ffn(h, nw, 1e-5, w1, w3, w2.t(), acc)
