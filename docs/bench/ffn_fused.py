@@ -46,6 +46,9 @@ def ffn_kernel(H, NW, W1, W3, W2, ACC, ZERO, M, NH, n_zero, sh_m, sw1, sw3, sw2_
     rmask = rr < NH
     rk = tl.arange(0, BLOCK_K)
     launch_next(PDL)
+    kmask0 = rk < DIM  # the first chunk of w1 and w3 asked for before the wait, as the engine's kernel does
+    w1_0 = tl.load(W1 + rr[:, None] * sw1 + rk[None, :], mask=rmask[:, None] & kmask0[None, :], other=0.0)
+    w3_0 = tl.load(W3 + rr[:, None] * sw3 + rk[None, :], mask=rmask[:, None] & kmask0[None, :], other=0.0)
     wait_prior(PDL)
     rz = pid * BLOCK_Z + tl.arange(0, BLOCK_Z)
     tl.store(ZERO + rz, tl.zeros((BLOCK_Z,), tl.float32), mask=rz < n_zero)
@@ -66,9 +69,12 @@ def ffn_kernel(H, NW, W1, W3, W2, ACC, ZERO, M, NH, n_zero, sh_m, sw1, sw3, sw2_
         nw = tl.load(NW + kk, mask=kmask, other=0.0)
         xn = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw.to(tl.float32)[None, :]).to(dt)
         xn = xn.to(tl.float32)[:, None, :]  # (BM, 1, BK)
-        wmask = rmask[:, None] & kmask[None, :]
-        w1 = tl.load(W1 + rr[:, None] * sw1 + kk[None, :], mask=wmask, other=0.0)  # (BR, BK)
-        w3 = tl.load(W3 + rr[:, None] * sw3 + kk[None, :], mask=wmask, other=0.0)
+        if k0 == 0:
+            w1, w3 = w1_0, w3_0
+        else:
+            wmask = rmask[:, None] & kmask[None, :]
+            w1 = tl.load(W1 + rr[:, None] * sw1 + kk[None, :], mask=wmask, other=0.0)  # (BR, BK)
+            w3 = tl.load(W3 + rr[:, None] * sw3 + kk[None, :], mask=wmask, other=0.0)
         a += tl.sum(xn * w1.to(tl.float32)[None, :, :], axis=2)
         b += tl.sum(xn * w3.to(tl.float32)[None, :, :], axis=2)
     a = a.to(dt).to(tl.float32)  # as F.linear returns them, then silu(a) rounded, times b, rounded
