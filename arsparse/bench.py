@@ -137,6 +137,29 @@ def _median_seconds(run, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_call_us(fn, reps: int = 20, launches: int = 50) -> float:
+    """Microseconds per call of ``fn(i)``: the calls i < ``reps`` captured in one CUDA graph (as the engine runs a
+    step), the graph replayed ``launches`` times after a warm-up on a side stream (the docs/bench experiments)."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * launches)
+
+
 def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (median of reps)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)

@@ -126,28 +126,6 @@ def _key(s) -> str:
     return "r{} k{} w{} {}".format(s[0], s[1], s[2], "cols" if s[3] else "rows")
 
 
-def _graph_us(fn, reps: int = 20, launches: int = 50) -> float:
-    """Microseconds per call of fn(i), calls i < ``reps`` captured in one CUDA graph (as the engine runs them)."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * launches)
-
-
 def check(dev, dtype, shapes, settings, tol) -> None:
     g = torch.Generator().manual_seed(1)
     for M, dim, NH in shapes:
@@ -183,7 +161,7 @@ def main() -> None:
         print("check: every setting matches the PyTorch composition")
     if interp:
         return
-    from arsparse.bench import copy_bandwidth
+    from arsparse.bench import copy_bandwidth, graph_call_us
     from arsparse.kernels.triton.matvec import matvec
     bw = copy_bandwidth(torch.device("cuda"))
     M, dim, NH, eps, n = 2, 1280, 3584, 1e-5, 20  # GPT-XL at batch 1 with guidance
@@ -215,13 +193,14 @@ def main() -> None:
                 json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                                copy_gb_s=bw / 1e9, floor_us=floor_us, rows=rows), f, indent=1)
 
-    rows = [dict(setting="engine", with_wo=_graph_us(engine), ffn_only=_graph_us(lambda i: engine(i, False)))]
+    rows = [dict(setting="engine", with_wo=graph_call_us(engine),
+                 ffn_only=graph_call_us(lambda i: engine(i, False)))]
     print(f"floor {floor_us:.2f} us a block (wo + w1 + w3 + w2); engine {rows[0]['with_wo']:.2f}", flush=True)
     save()
     for s in SETTINGS:
         try:
-            rows.append(dict(setting=_key(s), with_wo=_graph_us(lambda i: fused(i, s)),
-                             ffn_only=_graph_us(lambda i: fused(i, s, False))))
+            rows.append(dict(setting=_key(s), with_wo=graph_call_us(lambda i: fused(i, s)),
+                             ffn_only=graph_call_us(lambda i: fused(i, s, False))))
         except Exception as e:  # (a setting that does not compile or fit)
             print(_key(s), type(e).__name__, str(e)[:160])
             continue

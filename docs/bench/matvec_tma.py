@@ -85,28 +85,6 @@ SETTINGS = [dict(block_n=bn, tiles=t, stages=s, num_warps=nw) for bn, t, s, nw i
              (16, 1, 8, 8), (16, 2, 8, 4), (32, 1, 6, 4), (2, 2, 8, 4), (4, 4, 8, 4)]]
 
 
-def _graph_us(fn, reps: int = 20, launches: int = 50) -> float:
-    """Microseconds per call of fn(i), calls i < ``reps`` captured in one CUDA graph (as the engine runs them)."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * launches)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare each setting with F.linear first")
@@ -129,19 +107,20 @@ def main() -> None:
     if interp:
         return
     from arsparse.kernels.triton.matvec import matvec
-    from arsparse.bench import copy_bandwidth  # noqa: E402
+    from arsparse.bench import copy_bandwidth, graph_call_us
     bw = copy_bandwidth(torch.device("cuda"))
     rows = []
     for name, N, K in SHAPES:
         x = torch.randn(2, K, device=dev, dtype=dtype)
         ws = [torch.randn(N, K, device=dev, dtype=dtype) / K**0.5 for _ in range(20)]  # (20 x the L2 or more)
         floor_us = N * K * 2 / bw * 1e6
-        times = {"engine": _graph_us(lambda i: matvec(x, ws[i])), "cublas": _graph_us(lambda i: F.linear(x, ws[i]))}
+        times = {"engine": graph_call_us(lambda i: matvec(x, ws[i])),
+                 "cublas": graph_call_us(lambda i: F.linear(x, ws[i]))}
         for cfg in SETTINGS:
             descs = [_desc(w, cfg["block_n"]) for w in ws]
             key = "bn{block_n} t{tiles} s{stages} w{num_warps}".format(**cfg)
             try:
-                times[key] = _graph_us(lambda i: tma_matvec(x, ws[i], desc=descs[i], **cfg))
+                times[key] = graph_call_us(lambda i: tma_matvec(x, ws[i], desc=descs[i], **cfg))
             except Exception as e:  # (a setting that does not fit shared memory)
                 times[key] = None
                 print(name, key, type(e).__name__, str(e)[:120])
