@@ -528,8 +528,7 @@ def add_bench_parser(sub) -> None:
                         "recorded in the JSON")
     b.add_argument("--matvec-launch", metavar="JSON",
                    help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "
-                        "(block_n, block_k, max_tile, num_warps, num_stages, weights_first; ffn_block_r > 0: each "
-                        "block's feed-forward in one launch, ffn_block_k its chunk), recorded in the JSON")
+                        "(block_n, block_k, max_tile, num_warps, num_stages, weights_first), recorded in the JSON")
     b.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                    help="also time every policy and batch with these settings on top of the run's, in the same "
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "

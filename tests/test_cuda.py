@@ -446,36 +446,3 @@ def test_matvec_ops_at_gpt_xl_shapes_bf16_on_gpu(M, monkeypatch):
     plain = matvec(x, wqkv, norm=(nw, 1e-5)), matvec(gate, w2, residual=x)
     monkeypatch.setattr(_pdl, "ENABLED", 1)
     assert torch.equal(matvec(x, wqkv, norm=(nw, 1e-5)), plain[0]) and torch.equal(matvec(gate, w2, residual=x), plain[1])
-    # the feed-forward in one launch (w2's reduction by atomics: close, not bitwise), w2 as held and transposed
-    from arsparse.kernels.triton.matvec import ffn
-    from arsparse.models.gpt import swiglu
-
-    want = swiglu(h, w1, w3, w2)
-    for w2s, br in ((w2, 16), (w2.t().contiguous().t(), 32)):
-        got = ffn(x, (nw, 1e-5), w1, w3, w2s, torch.zeros(M, 1280, device="cuda"), launch=dict(ffn_block_r=br))
-        torch.testing.assert_close(got.to(torch.bfloat16), want, **tol)
-
-
-@pytest.mark.parametrize("policy", [None, "diagonal"])
-def test_ffn_in_one_launch_in_the_engine_on_gpu(policy, monkeypatch):
-    """matvec.LAUNCH["ffn_block_r"]: latency mode in bf16 with PDL, the steps in a CUDA graph, each block's
-    feed-forward one launch adding into the buffer that the block's wo launch zeroes: the teacher-forced
-    logits within bf16 noise of the two-launch form's (a block that read the buffer before it was zeroed,
-    or before the sums were in, would be far off); sampling runs through the captured graph."""
-    from arsparse.kernels.triton import matvec as launch
-
-    model = random_gpt("c2i", seed=19, image_tokens=256, n_kv_head=2)
-    cond = random_cond(model, 2)
-    tokens = torch.randint(0, model.config.vocab_size, (2, 256))
-    make = lambda: Generator(model, device="cuda", dtype="bf16", kernel="triton", policy=policy,  # noqa: E731
-                             matvec=True)
-    two = make()
-    want, want_tokens = two.cached_logits(cond, tokens).float(), two.sample_tokens(cond, seed=5, cfg_scale=2.0)
-    monkeypatch.setitem(launch.LAUNCH, "ffn_block_r", 16)
-    one = make()
-    got = one.cached_logits(cond, tokens).float()
-    assert (got - want).norm() / want.norm() < 2e-2
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
-    got_tokens = one.sample_tokens(cond, seed=5, cfg_scale=2.0)
-    assert one._runner.graph is not None
-    assert got_tokens.shape == want_tokens.shape and int(got_tokens.max()) < model.config.vocab_size

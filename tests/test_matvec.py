@@ -98,20 +98,15 @@ def test_matvec_rejects_bad_input():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU generations through the interpreter (on a GPU: tests/test_cuda.py)")
-@pytest.mark.parametrize("model_type,policy,ffn_block_r", [("c2i", None, 0), ("t2i", "diagonal:local=3,rows=1,band=1,sinks=1", 0),
-                                                          ("c2i", "diagonal:local=3,rows=1,band=1,sinks=1", 16)],
-                         ids=["c2i-dense", "t2i-diagonal", "c2i-diagonal-ffn-one-launch"])
-def test_generator_with_matvec_blocks_matches_the_torch_blocks(monkeypatch, model_type, policy, ffn_block_r):
+@pytest.mark.parametrize("model_type,policy", [("c2i", None), ("t2i", "diagonal:local=3,rows=1,band=1,sinks=1")],
+                         ids=["c2i-dense", "t2i-diagonal"])
+def test_generator_with_matvec_blocks_matches_the_torch_blocks(model_type, policy):
     """The whole decode loop (guidance: 2 rows per image, 3 images) through the matvec halves gives
     the PyTorch halves' tokens, with every decode step's four projections and its head in the kernel
-    (a caption prefill of several positions takes the PyTorch halves, then the kernel's head); with
-    ``ffn_block_r``, the feed-forward in one launch (w1, w3 and w2), its output shared by every block."""
+    (a caption prefill of several positions takes the PyTorch halves, then the kernel's head)."""
     from arsparse import Generator
-    from arsparse.kernels.triton import matvec as launch
     from arsparse.models import matvec_blocks
     from conftest import random_cond, random_gpt
-
-    monkeypatch.setitem(launch.LAUNCH, "ffn_block_r", ffn_block_r)
 
     model = random_gpt(model_type, seed=5)
     cond = random_cond(model, 3)
@@ -119,16 +114,20 @@ def test_generator_with_matvec_blocks_matches_the_torch_blocks(monkeypatch, mode
     make = lambda **m: Generator(model, device="cpu", dtype="fp32", kernel="torch", policy=policy, **m)  # noqa: E731
     want = make().sample_tokens(cond, **kw)
     calls = []
-    for name in ("matvec", "ffn"):
-        def counting(*a, real=getattr(matvec_blocks, name), **k):
-            calls.append(a[0].shape[0])  # rows
-            return real(*a, **k)
+    real = matvec_blocks.matvec
 
-        monkeypatch.setattr(matvec_blocks, name, counting)
-    got = make(matvec=True).sample_tokens(cond, **kw)
-    cfg = model.config  # 4 (or 3) per block at every decode step and a prefill of one position (a class
-    steps = cfg.image_tokens - 1 + (cfg.cls_token_num == 1)  # token), and the final norm + head after every pass
-    assert calls == [6] * (steps * cfg.n_layer * (3 if ffn_block_r else 4) + cfg.image_tokens)
+    def counting(*a, **k):
+        calls.append(a[0].shape[0])  # rows
+        return real(*a, **k)
+
+    matvec_blocks.matvec = counting
+    try:
+        got = make(matvec=True).sample_tokens(cond, **kw)
+    finally:
+        matvec_blocks.matvec = real
+    cfg = model.config  # 4 per block at every decode step and a prefill of one position (a class token),
+    steps = cfg.image_tokens - 1 + (cfg.cls_token_num == 1)  # and the final norm + head after every pass
+    assert calls == [6] * (steps * cfg.n_layer * 4 + cfg.image_tokens)
     assert torch.equal(got, want)
 
 
@@ -148,8 +147,7 @@ def test_matvec_kernel_compiles_for_hopper():
     from conftest import compile_for_hopper
     from test_kernels import PDL_PTX
 
-    flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, HAS_ZERO=False, BLOCK_M=2,
-                 BLOCK_N=4,
+    flags = dict(HAS_F=False, HAS_NORM=False, GLU=False, HAS_RES=False, HAS_ROPE=False, BLOCK_M=2, BLOCK_N=4,
                  BLOCK_K=2048, ONE_CHUNK=True)
     builds = {"wqkv": (dict(flags, HAS_F=True, HAS_NORM=True, HAS_ROPE=True), 4),
               "w1-w3": (dict(flags, HAS_NORM=True, GLU=True), 4),
@@ -158,15 +156,9 @@ def test_matvec_kernel_compiles_for_hopper():
               "w1-w3-chunks": (dict(flags, HAS_F=True, HAS_NORM=True, GLU=True, BLOCK_K=512, ONE_CHUNK=False), 4),
               "wqkv-pdl": (dict(flags, HAS_NORM=True, HAS_ROPE=True, PDL=True), 4, PDL_PTX),
               "w2-16-rows-residual-pdl": (dict(flags, HAS_RES=True, BLOCK_M=16, BLOCK_K=64, ONE_CHUNK=False, PDL=True), 2,
-                                          PDL_PTX),
-              "wo-zero-pdl": (dict(flags, HAS_RES=True, HAS_ZERO=True, PDL=True), 4, PDL_PTX)}
-    pointers = dict(ROPE="*fp32", ZERO="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
+                                          PDL_PTX)}
+    pointers = dict(ROPE="*fp32", **{n: "*bf16" for n in ("X", "F", "NW", "W", "W3", "RES", "Y", "XS")})
     compile_for_hopper("arsparse.kernels.triton._matvec", "matvec_kernel", pointers, builds)
-    ffn_builds = {"gpt-xl-pdl": (dict(DIM=1280, BLOCK_M=2, BLOCK_R=16, BLOCK_K=256, PDL=True), 4,
-                                 PDL_PTX + ["red.global", "ld.global before wait >= 2"]),
-                  "16-rows": (dict(DIM=96, BLOCK_M=16, BLOCK_R=8, BLOCK_K=64), 4)}
-    compile_for_hopper("arsparse.kernels.triton._ffn", "ffn_kernel",
-                       dict(ACC="*fp32", **{n: "*bf16" for n in ("H", "NW", "W1", "W3", "W2")}), ffn_builds)
 
 
 @pytest.mark.parametrize("N,K,cfg", [(37, 256, dict(block_n=4, tiles=2, stages=3)), (64, 384, dict(block_n=8, tiles=1, stages=4)),
@@ -187,36 +179,28 @@ def test_the_tma_experiment_kernel_matches_f_linear(N, K, cfg):
         tma.tma_matvec(x[:, :100], w[:, :100], **cfg)
 
 
-@pytest.mark.parametrize("M,dim,NH,block_r,block_k,by_cols,dtype", [
-    (2, 96, 80, 16, 32, 1, torch.float32),  # hidden units and columns off the blocks, w2 stored transposed
-    (3, 64, 40, 8, 64, 0, torch.float32),  # one chunk a row
-    (1, 48, 24, 32, 16, 1, torch.float32),  # fewer hidden units than one program's
-    (2, 128, 96, 16, 64, 0, torch.bfloat16)])
-def test_ffn_in_one_launch_matches_swiglu(poisoned_empty, M, dim, NH, block_r, block_k, by_cols, dtype):
-    """matvec.ffn: RMSNorm + SwiGLU in one launch, w2's reduction split over the programs and added by atomics
-    into the fp32 output that matvec(..., zero=out) cleared; against the PyTorch composition."""
-    from arsparse.kernels.triton.matvec import ffn
-    from arsparse.models.gpt import swiglu
+@pytest.mark.parametrize("M,dim,NH,block_r,block_k,by_cols", [(2, 96, 80, 16, 32, 1), (3, 64, 40, 8, 64, 0),
+                                                             (1, 48, 24, 32, 16, 1)])
+def test_the_fused_ffn_experiment_kernel_matches_swiglu(M, dim, NH, block_r, block_k, by_cols):
+    """docs/bench/ffn_fused.py's kernel (run 32's experiment): RMSNorm + SwiGLU in one launch, w2's reduction
+    split over the programs and added with atomics; the second buffer zeroed; hidden units and columns off the blocks."""
+    import importlib.util
+    from pathlib import Path
 
+    path = Path(__file__).resolve().parents[1] / "docs" / "bench" / "ffn_fused.py"
+    spec = importlib.util.spec_from_file_location("ffn_fused", path)
+    exp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exp)
     g = torch.Generator().manual_seed(M * dim + NH)
-    h = torch.randn(M, dim, generator=g).to(DEVICE, dtype)
-    nw = (1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE, dtype)
-    w1, w3 = ((torch.randn(NH, dim, generator=g) / dim**0.5).to(DEVICE, dtype) for _ in range(2))
-    w2 = (torch.randn(dim, NH, generator=g) / NH**0.5).to(DEVICE, dtype)
-    attn, wo = torch.randn(M, dim, generator=g).to(DEVICE, dtype), torch.randn(dim, dim, generator=g).to(DEVICE, dtype)
-    out = torch.full((M, dim), float("nan"), device=DEVICE)
-    hh = matvec(attn, wo, residual=h, zero=out)  # the wo launch clears the feed-forward's output
-    torch.testing.assert_close(hh, h + F.linear(attn, wo), **_tol(dtype))
-    assert bool((out == 0).all())
-    got = ffn(h, (nw, 1e-5), w1, w3, w2.t().contiguous().t() if by_cols else w2, out,
-              launch=dict(ffn_block_r=block_r, ffn_block_k=block_k))
-    assert got is out and got.dtype == torch.float32
-    torch.testing.assert_close(got.to(dtype), swiglu(rms_norm(h, nw, 1e-5), w1, w3, w2), **_tol(dtype))
-    # the next block's first launch adds it rounded to the model's dtype, as PyTorch returns it
-    xs = matvec(h, w1, add=got)[1]  # (the interpreter rounds bf16 casts its own way)
-    exact = dtype == torch.float32
-    torch.testing.assert_close(xs, h + got.to(dtype), atol=0 if exact else 2e-2, rtol=0 if exact else 1e-2)
-    with pytest.raises(ValueError, match=r"w2 must be .*\({}, {}\)".format(dim, NH)):
-        ffn(h, (nw, 1e-5), w1, w3, w2.t(), out)
-    with pytest.raises(ValueError, match="out must be torch.float32"):
-        ffn(h, (nw, 1e-5), w1, w3, w2, out.to(dtype) if dtype != torch.float32 else out.double())
+    h = torch.randn(M, dim, generator=g).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE)
+    w1, w3 = ((torch.randn(NH, dim, generator=g) / dim**0.5).to(DEVICE) for _ in range(2))
+    w2 = (torch.randn(dim, NH, generator=g) / NH**0.5).to(DEVICE)
+    acc, other = torch.zeros(M, dim, device=DEVICE), torch.full((M, 2 * dim), float("nan"), device=DEVICE)
+    got = exp.ffn(h, nw, 1e-5, w1, w3, w2.t().contiguous().t() if by_cols else w2, acc, zero=other,
+                  block_r=block_r, block_k=block_k)
+    want = F.linear(F.silu(F.linear(rms_norm(h, nw, 1e-5), w1)) * F.linear(rms_norm(h, nw, 1e-5), w3), w2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert bool((other == 0).all())
+    with pytest.raises(ValueError, match="shapes"):
+        exp.ffn(h, nw, 1e-5, w1, w3, w2.t(), acc)

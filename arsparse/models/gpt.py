@@ -367,7 +367,7 @@ class GPT(nn.Module):
         where sequences that joined at different steps decode side by side).
         """
         h, f = self._blocks(h, positions, backend)
-        return self.norm(h if f is None else h + f.to(h.dtype))  # (f: fp32 from a one-launch feed-forward)
+        return self.norm(h if f is None else h + f)
 
     def next_logits(self, h: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend | None = None):
         """h (B, T, dim) at ``positions`` -> fp32 logits (B, vocab) of the token after the last position

@@ -10,10 +10,6 @@ folded in —
 - RMSNorm + w1 and w3 + SiLU * gate (SwiGLU's first half, both weights in one kernel),
 - w2;
 
-or, with ``matvec.LAUNCH["ffn_block_r"]`` set, the last two as one launch (:func:`~arsparse.kernels.triton.
-matvec.ffn`), whose fp32 output the wo launch before it zeroes: one buffer a row count serves every
-block, since the next block's first launch has read it before that block's wo launch zeroes it again;
-
 and after the last block, its residual add + the final RMSNorm + the output head in one launch.
 Steps of more rows, or of several positions (prefill), take the PyTorch halves. (Each launch
 prefetching the next launches' weights into the L2 was slower, BENCHMARKS run 9, and was removed.)
@@ -22,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.triton import matvec as _launch
-from ..kernels.triton.matvec import MAX_ROWS, ffn, matvec
+from ..kernels.triton.matvec import MAX_ROWS, matvec
 from . import gpt
 
 
@@ -33,7 +28,6 @@ def _decode_rows(x: torch.Tensor) -> bool:
 
 def halves() -> tuple:
     """(block_in, block_out, final_logits) for ``gpt.fuse(None, halves=...)``."""
-    sums = {}  # (rows, dim, device) -> the one-launch feed-forward's fp32 output (M, dim)
 
     def block_in(x, f, norm_w, wqkv, rope, n_head: int, n_kv: int, eps: float):
         if not _decode_rows(x) or (f is not None and not f.is_contiguous()):
@@ -57,12 +51,6 @@ def halves() -> tuple:
         if not _decode_rows(x) or not attn.is_contiguous():
             return gpt.block_out(x, attn, wo, norm_w, w1, w3, w2, eps)
         B, T, dim = x.shape
-        if _launch.LAUNCH["ffn_block_r"] and w3 is not None:
-            key = (B, dim, x.device)
-            if key not in sums:
-                sums[key] = torch.zeros(B, dim, device=x.device, dtype=torch.float32)
-            h = matvec(attn.view(B, -1), wo, residual=x.view(B, dim), zero=sums[key])
-            return h.view(B, T, dim), ffn(h, (norm_w, eps), w1, w3, w2, sums[key]).view(B, T, dim)
         h = matvec(attn.view(B, -1), wo, residual=x.view(B, dim))
         g = matvec(h, w1, norm=(norm_w, eps), w_up=w3)
         return h.view(B, T, dim), matvec(g, w2).view(B, T, dim)

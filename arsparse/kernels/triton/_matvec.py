@@ -5,9 +5,8 @@ are read once each; cuBLAS runs them at about a third of the copy bandwidth and 
 op between them is a launch of its own (BENCHMARKS.md run 7). This kernel streams one block of
 BLOCK_N weight rows per program and folds the ops around the product into it:
 
-- ``HAS_F``: the input is ``x + f`` (the previous block's residual add; f in x's dtype, or fp32 from
-  the one-launch feed-forward, rounded to x's dtype first as PyTorch returns it); program 0 stores that
-  sum to XS (the residual stream the block returns).
+- ``HAS_F``: the input is ``x + f`` (the previous block's residual add); program 0 stores that sum
+  to XS (the residual stream the block returns).
 - ``HAS_NORM``: RMSNorm of the input first (a first pass over the rows for their mean square;
   ``ONE_CHUNK``, a row in one chunk: the weight tile is loaded first, then the input once).
 - ``GLU``: a second weight W3 at the same rows: ``y = silu(x @ W.T) * (x @ W3.T)`` (SwiGLU's w1, w3).
@@ -15,8 +14,6 @@ BLOCK_N weight rows per program and folds the ops around the product into it:
 - ``HAS_ROPE``: columns below ``rope_hi`` are rotated in interleaved pairs by the table (rows,
   D/2, 2) of cos/sin (q and k of a fused wqkv projection; pairs never straddle a block: BLOCK_N and
   the head size are even).
-- ``HAS_ZERO``: each program also sets its columns of ZERO (M, N), fp32, to 0 (the accumulator the
-  one-launch feed-forward after this launch adds into).
 - ``PDL`` (``_pdl.py``): launched early beside the previous launch's last programs, a program asks for
   its weights (and RoPE table) and only then waits for the previous launch's output.
 
@@ -34,8 +31,8 @@ def _input(X, F, rm, kk, mask, sx_m, sf_m, HAS_F: tl.constexpr):
     """The (BLOCK_M, BLOCK_K) input tile: x, or x + f in x's dtype."""
     x = tl.load(X + rm[:, None] * sx_m + kk[None, :], mask=mask, other=0.0)
     if HAS_F:
-        f = tl.load(F + rm[:, None] * sf_m + kk[None, :], mask=mask, other=0.0).to(x.dtype)
-        x = (x.to(tl.float32) + f.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) + tl.load(F + rm[:, None] * sf_m + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+             ).to(x.dtype)
     return x
 
 
@@ -47,10 +44,10 @@ def _normed(x, rstd, NW, kk, kmask):
 
 
 @triton.jit
-def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, ZERO,
-                  M, N, K, sx_m, sf_m, sw_n, sw3_n, sres_m, srope_m, sy_m, sxs_m, szero_m, eps, rope_hi, head_dim,
+def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS,
+                  M, N, K, sx_m, sf_m, sw_n, sw3_n, sres_m, srope_m, sy_m, sxs_m, eps, rope_hi, head_dim,
                   HAS_F: tl.constexpr, HAS_NORM: tl.constexpr, GLU: tl.constexpr, HAS_RES: tl.constexpr,
-                  HAS_ROPE: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, ONE_CHUNK: tl.constexpr = False, PDL: tl.constexpr = False):
     """Columns [pid * BLOCK_N, + BLOCK_N) of y for all M (<= BLOCK_M) rows: each weight tile is read
     once and multiplied into every row (a (BM, BN, BK) product summed over BK)."""
@@ -76,9 +73,6 @@ def matvec_kernel(X, F, NW, W, W3, RES, ROPE, Y, XS, ZERO,
         if GLU:
             w3 = tl.load(W3 + rn[:, None] * sw3_n + rk[None, :], mask=wmask, other=0.0)
     wait_prior(PDL)
-    if HAS_ZERO:
-        tl.store(ZERO + rm[:, None] * szero_m + rn[None, :], tl.zeros((BLOCK_M, BLOCK_N), tl.float32),
-                 mask=mmask[:, None] & nmask[None, :])
     if HAS_RES:  # the epilogue's operand, asked for before the product waits on anything
         res = tl.load(RES + rm[:, None] * sres_m + rn[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
     if ONE_CHUNK:

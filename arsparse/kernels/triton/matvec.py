@@ -2,15 +2,13 @@
 
 ``matvec`` computes ``y = op(x) @ w.T`` for at most :data:`MAX_ROWS` rows with the ops around a
 transformer block's projections folded in (RMSNorm, the residual adds, SwiGLU's gate, RoPE); see
-``_matvec.py``. :func:`ffn` runs a block's whole SwiGLU feed-forward in one launch (``_ffn.py``).
-:mod:`arsparse.models.matvec_blocks` composes the block's two halves from them.
+``_matvec.py``. :mod:`arsparse.models.matvec_blocks` composes the block's two halves from it.
 """
 from __future__ import annotations
 
 import torch
 import triton
 
-from ._ffn import ffn_kernel
 from ._matvec import matvec_kernel
 from .decode import check_rope_table
 from ._pdl import pdl_args
@@ -27,11 +25,7 @@ MAX_ROWS = 16
 #: step 1.457 against 1.473 ms, diagonal 1.336 against 1.355. (Prefetching the next launches' weights
 #: into the L2 was slower, 1.495 / 1.371, and was removed. Fewer warps, run 29 on an H100, dense / diagonal
 #: at batch 1: 2 warps 1.218 / 1.113 against 1.166 / 1.042; with 2 weight rows 1.326 / 1.188.)
-#: ``ffn_block_r``: 0 runs a block's feed-forward as two launches (w1 and w3, then w2); a power of 2 as
-#: one (:func:`ffn`, that many hidden units a program, in chunks of ``ffn_block_k`` columns; not bitwise
-#: reproducible: atomics).
-LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1,
-              ffn_block_r=0, ffn_block_k=256)
+LAUNCH = dict(block_n=4, block_k=4096, max_tile=32768, num_warps=4, num_stages=2, weights_first=1)
 
 
 def parse_launch(text: str) -> dict:
@@ -43,11 +37,7 @@ def parse_launch(text: str) -> dict:
             if v not in (0, 1):
                 raise ValueError(f"matvec launch setting {k}={v!r} must be 0 or 1")
             continue
-        if k == "ffn_block_r":
-            if type(v) is not int or v < 0 or v & (v - 1):
-                raise ValueError(f"matvec launch setting {k}={v!r} must be 0 (two launches) or a power of 2")
-            continue
-        pow2 = k in ("block_n", "block_k", "max_tile", "num_warps", "ffn_block_k")
+        pow2 = k in ("block_n", "block_k", "max_tile", "num_warps")
         if type(v) is not int or v < 1 or (pow2 and v & (v - 1)) or (k == "block_n" and v < 2):
             raise ValueError(f"matvec launch setting {k}={v!r} must be a positive int"
                              f"{' and a power of 2' if pow2 else ''}{' >= 2' if k == 'block_n' else ''}")
@@ -63,21 +53,19 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device)
 def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
            norm: tuple[torch.Tensor, float] | None = None, w_up: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, rope: tuple[torch.Tensor, int, int] | None = None,
-           zero: torch.Tensor | None = None, launch: dict | None = None):
+           launch: dict | None = None):
     """``y = op(x) @ w.T`` for a few rows, in one kernel.
 
     Parameters
     ----------
     x : (M, K), M <= MAX_ROWS, unit last stride
     w : (N, K) weight (as ``nn.Linear`` holds it), x's dtype and device
-    add : optional (M, K), x's dtype or fp32 (rounded to x's dtype first): the input is ``x + add``
-        (returned too, as the second value)
+    add : optional (M, K): the input is ``x + add`` (returned too, as the second value)
     norm : optional (weight (K,), eps): RMSNorm of the input first, as ``gpt.rms_norm``
     w_up : optional (N, K): SwiGLU, ``y = silu(in @ w.T) * (in @ w_up.T)``
     residual : optional (M, N): ``y = residual + in @ w.T``
     rope : optional (table (M or 1, D/2, 2) fp32 cos/sin, rotate_cols, head_dim): columns below
         ``rotate_cols`` rotated in interleaved pairs within heads of ``head_dim``, as ``apply_rope``
-    zero : optional (M, N) fp32, contiguous: set to 0 by this launch (:func:`ffn`'s output, after it)
     launch : overrides of :data:`LAUNCH`
 
     Returns (M, N) in x's dtype, and with ``add`` also ``x + add`` (M, K).
@@ -92,22 +80,19 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     N = w.shape[0]
     _check("w", w, (N, K), x.dtype, x.device)
     if add is not None:
-        _check("add", add, (M, K), add.dtype if add.dtype == torch.float32 else x.dtype, x.device)
+        _check("add", add, (M, K), x.dtype, x.device)
     if w_up is not None:
         _check("w_up", w_up, (N, K), x.dtype, x.device)
     if residual is not None:
         _check("residual", residual, (M, N), x.dtype, x.device)
     if norm is not None:
         _check("the norm weight", norm[0], (K,), x.dtype, x.device)
-    if zero is not None:
-        _check("zero", zero, (M, N), torch.float32, x.device)
     unknown = set(launch or {}) - set(LAUNCH)
     if unknown:
         raise ValueError(f"unknown matvec launch settings {sorted(unknown)}; allowed: {sorted(LAUNCH)}")
     cfg = dict(LAUNCH, **(launch or {}))
     bn = cfg.pop("block_n")
     weights_first = bool(cfg.pop("weights_first"))
-    cfg.pop("ffn_block_r"), cfg.pop("ffn_block_k")
     if rope is not None:
         table, rope_hi, head_dim = rope
         check_rope_table(table, M, head_dim, x.device)
@@ -125,44 +110,11 @@ def matvec(x: torch.Tensor, w: torch.Tensor, *, add: torch.Tensor | None = None,
     grid = triton.cdiv(N, bn)
     matvec_kernel[(grid,)](
         x, add if add is not None else dummy, norm_w, w, w_up if w_up is not None else w,
-        residual if residual is not None else dummy, table, y, xs, zero if zero is not None else y,
+        residual if residual is not None else dummy, table, y, xs,
         M, N, K, x.stride(0), add.stride(0) if add is not None else 0, w.stride(0),
         (w_up if w_up is not None else w).stride(0), residual.stride(0) if residual is not None else 0, srope,
-        y.stride(0), xs.stride(0), zero.stride(0) if zero is not None else 0, float(eps), rope_hi, head_dim,
+        y.stride(0), xs.stride(0), float(eps), rope_hi, head_dim,
         HAS_F=add is not None, HAS_NORM=norm is not None, GLU=w_up is not None, HAS_RES=residual is not None,
-        HAS_ROPE=rope is not None, HAS_ZERO=zero is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K,
+        HAS_ROPE=rope is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ONE_CHUNK=weights_first and bk >= K,
         **pdl_args(x.device), **cfg)
     return (y, xs) if add is not None else y
-
-
-def ffn(x: torch.Tensor, norm: tuple[torch.Tensor, float], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-        out: torch.Tensor, launch: dict | None = None) -> torch.Tensor:
-    """``out += swiglu(rms_norm(x))`` in one launch, as ``gpt.swiglu(gpt.rms_norm(x, *norm), w1, w3, w2)``
-    up to w2's product, which stays in fp32 (summed by atomics in no fixed order).
-
-    x : (M, dim), M <= MAX_ROWS, contiguous; w1, w3 : (hidden, dim) with unit last strides; w2 : (dim, hidden),
-    any strides; out : (M, dim) fp32 and contiguous, zero on entry (``matvec(..., zero=out)`` before it).
-    ``launch["ffn_block_r"]`` (default :data:`LAUNCH`'s, or 16 where that is 0): hidden units a program;
-    ``ffn_block_k``: the columns of a chunk.
-    """
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or not x.is_contiguous():
-        raise ValueError(f"x must be contiguous (M, dim) with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
-    M, dim = x.shape
-    hidden = w1.shape[0]
-    _check("w1", w1, (hidden, dim), x.dtype, x.device)
-    _check("w3", w3, (hidden, dim), x.dtype, x.device)
-    if tuple(w2.shape) != (dim, hidden) or w2.dtype != x.dtype or w2.device != x.device:
-        raise ValueError(f"w2 must be {x.dtype} ({dim}, {hidden}) on {x.device}, got {w2.dtype} {tuple(w2.shape)}")
-    _check("the norm weight", norm[0], (dim,), x.dtype, x.device)
-    _check("out", out, (M, dim), torch.float32, x.device)
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
-    cfg = dict(LAUNCH, **(launch or {}))
-    br = cfg["ffn_block_r"] or 16
-    bm = triton.next_power_of_2(M)
-    bk = max(16, min(cfg["ffn_block_k"], triton.next_power_of_2(dim)))
-    ffn_kernel[(triton.cdiv(hidden, br),)](
-        x, norm[0], w1, w3, w2, out, M, hidden, x.stride(0), w1.stride(0), w3.stride(0), w2.stride(1),
-        w2.stride(0), out.stride(0), float(norm[1]), DIM=dim, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk,
-        num_warps=cfg["num_warps"], **pdl_args(x.device))
-    return out
