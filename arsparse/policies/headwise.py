@@ -330,7 +330,8 @@ class DiagonalAdaptivePolicy(OffsetPolicy):
         need_rho(self.name, self.rho)
         _need_float(self.name, "read", self.read, 0, 1, True, False, " (share of the window each head reads)")
         need_int(self.name, "calib_rows", self.calib_rows, 1, what=" (image rows decoded for calibration)")
-        need_int(self.name, "calib_samples", self.calib_samples, 1, what=" (conditions decoded for calibration)")
+        # (capped: calibration decodes them at once, in memory and, in the server, before the request's deadline)
+        need_int(self.name, "calib_samples", self.calib_samples, 1, 64, " (conditions decoded for calibration)")
         need_int(self.name, "local", self.local, 1, what=" (offsets 0..local-1 always kept)")
         need_int(self.name, "sinks", self.sinks, 0)
         _need_float(self.name, "temperature", self.temperature, 0, None, False, False,

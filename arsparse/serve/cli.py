@@ -40,6 +40,7 @@ def _app_from_args(args, max_queue: int = 64):
 
 
 def cmd_serve(args) -> int:
+    _need_serve_extra()
     import uvicorn
 
     app, name, _ = _app_from_args(args)
@@ -51,6 +52,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_serve_bench(args) -> int:
+    _need_serve_extra()
     from .loadgen import serve_bench
 
     # A steady load of C closed-loop clients has at most C requests waiting: size the queue for them,

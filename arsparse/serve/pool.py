@@ -51,6 +51,9 @@ class SchedulerPool:
 
     def resolve(self, name: str | None, args: dict | None) -> tuple[tuple, dict]:
         """-> (key, arguments) of the policy a request names; PolicyError for a bad one."""
+        if name is None and args:
+            raise PolicyError(f"policy_args {sorted(args)} given without policy: name the policy they are for "
+                              f"(the server's default is {self.default_name!r})")
         if name is None or (name == self.default_name and args is None):
             return self.default_key, self.default_args
         args = dict(args or {})

@@ -315,7 +315,8 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                     "class_accuracy. Writes the .safetensors (default: the shipped file under arsparse/weights) "
                     "and a .json summary beside it.")
     c.add_argument("--dataset", choices=sorted(CLASSIFIER_SPECS), default="fashion")
-    c.add_argument("--out", help="output .safetensors (default: arsparse/weights/<dataset>-classifier.safetensors)")
+    c.add_argument("--out", help="output .safetensors (default: out/<dataset>-classifier.safetensors; the "
+                                 "shipped file is replaced only when named here)")
     c.add_argument("--epochs", type=positive_int, help="default: 6 for fashion, 15 for emoji")
     c.add_argument("--batch", type=positive_int, default=128)
     c.add_argument("--lr", type=_positive_float, default=3e-3)

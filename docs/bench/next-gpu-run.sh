@@ -1,6 +1,6 @@
 #!/bin/bash
 # The next device calls, from the repo root on the device machine (H200), one part per call (each under
-# 10 minutes). Run 33 ran a whole on an H100 after run 32's revert (91 passed, 249 s); run 27 ran t whole
+# 10 minutes). Runs 33-34 ran a (91 passed, 249 s) and t (177 passed, 285 s) on an H100 after run 32's revert; run 27 ran t whole
 # (175 passed) after run 25's change to the ring kernel. Run them again after any change to the GPU code:
 #   bash docs/bench/next-gpu-run.sh a   # tests/test_cuda.py on the GPU (331 s in run 24)
 #   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
