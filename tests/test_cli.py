@@ -158,9 +158,7 @@ def test_generate_from_a_trained_file_takes_the_tokenizer_it_names(tmp_path, cap
     with the same images as the bundle of that file."""
     from arsparse.bundles import WEIGHTS_DIR
 
-    path = WEIGHTS_DIR / "fashion-c2i.safetensors"
-    if not path.is_file():
-        pytest.skip("the shipped fashion-c2i weights are not installed")
+    path = WEIGHTS_DIR / "fashion-c2i.safetensors"  # (shipped in the package: tests/test_shipped.py)
     seed = str(int(torch.randint(0, 1000, ())))
     common = ["--classes", "7", "--seed", seed, "--cfg-scale", "2", "--device", "cpu", "--quiet"]
     assert main(["generate", "--gpt-ckpt", str(path), *common, "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err

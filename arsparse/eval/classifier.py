@@ -317,7 +317,6 @@ def main(argv=None) -> int:
 def run(args) -> int:
     """Train and save as ``args`` say (shared by ``main`` and ``arsparse train classifier``)."""
     from ..checkpoint import check_output_file
-
     from ..engine.generator import resolve_device
 
     # (checked before minutes of training; the shipped file is replaced only when --out names it)

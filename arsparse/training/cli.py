@@ -312,7 +312,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     c = sub.add_parser(
         "classifier", help="train a data set's feature classifier for `arsparse eval` (CPU: minutes)",
         description="Train the small CNN whose features give the eval's fd_classifier and whose predictions give "
-                    "class_accuracy. Writes the .safetensors (default: the shipped file under arsparse/weights) "
+                    "class_accuracy. Writes the .safetensors (default: out/<dataset>-classifier.safetensors) "
                     "and a .json summary beside it.")
     c.add_argument("--dataset", choices=sorted(CLASSIFIER_SPECS), default="fashion")
     c.add_argument("--out", help="output .safetensors (default: out/<dataset>-classifier.safetensors; the "
