@@ -113,6 +113,7 @@ BAD = [
     ("malformed JSON", '{"class_label": 3,', ["not valid JSON", '"class_label"']),
     ("not an object", "[1, 2]", ["must be a JSON object"]),
     ("empty body", "", ["body is missing"]),
+    ("deep nesting", '{"class_label": ' + "[" * 5000 + "]" * 5000 + "}", ["nests deeper than the JSON parser allows"]),
     ("missing class", {"n": 1}, ["class_label", "required"]),
     ("class as a string", {"class_label": "3"}, ["class_label", "valid integer", "'3'"]),
     ("class as a float", {"class_label": 3.5}, ["class_label", "integer"]),
@@ -160,6 +161,55 @@ def test_a_wrong_path_or_method_names_what_the_server_answers(served):
     for r, status in ((client.get("/v1/generat"), 404), (client.get("/v1/generate"), 405)):
         assert r.status_code == status
         assert "this server answers POST /v1/generate" in r.json()["detail"], r.text
+
+
+def test_a_body_too_large_gets_413_and_a_stalled_one_408():
+    """Content-Length past the limit: refused before the body is read; a chunked body is counted as it
+    comes; a body that stops short of its Content-Length times out instead of holding the connection."""
+    import asyncio
+
+    gpt, tok = tiny_model()
+    app = make_app(gpt, tok, max_body_bytes=2000, body_timeout_s=0.3)
+    try:
+        with TestClient(app) as client:
+            ok = dict(class_label=1, seed=2, policy_args=None, top_k=0)
+            assert client.post("/v1/generate", json=ok).status_code == 200
+            big = b'{"class_label": 1, "seed": 2' + b" " * 2000 + b"}"
+            r = client.post("/v1/generate", content=big, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "is 2029 bytes; this server takes at most 2000" in r.json()["detail"]
+            r = client.post("/v1/generate", content=iter([big[:1500], big[1500:]]),  # chunked: no Content-Length
+                            headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "more than 2000 bytes" in r.json()["detail"], r.text
+
+        async def stalled():
+            sent, first = [], True
+
+            async def receive():
+                nonlocal first
+                if first:
+                    first = False
+                    return dict(type="http.request", body=b'{"class_label": 1', more_body=True)
+                await asyncio.sleep(3600)
+
+            async def send(message):
+                sent.append(message)
+
+            scope = dict(type="http", asgi=dict(version="3.0"), http_version="1.1", method="POST", scheme="http",
+                         path="/v1/generate", raw_path=b"/v1/generate", root_path="", query_string=b"",
+                         headers=[(b"content-type", b"application/json"), (b"content-length", b"100")],
+                         client=("127.0.0.1", 1), server=("127.0.0.1", 80))
+            await asyncio.wait_for(app(scope, receive, send), 10)
+            return sent
+
+        t0 = time.monotonic()
+        sent = asyncio.run(stalled())
+        assert time.monotonic() - t0 < 5
+        assert sent[0]["status"] == 408
+        assert "stopped arriving: nothing for 0.3 s after 17 bytes" in sent[1]["body"].decode()
+    finally:
+        app.state.pool.close()
+    with pytest.raises(ValueError, match="max_body_bytes must be a positive integer or None"):
+        make_app(gpt, tok, max_body_bytes=0)
 
 
 def test_guidance_on_a_model_without_a_null_class_is_refused():

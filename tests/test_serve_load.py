@@ -196,6 +196,47 @@ def test_policy_pool_closes_idle_policies_and_refuses_when_all_are_busy():
     pool.close()
 
 
+def test_a_policy_being_built_does_not_block_health_or_live_policies():
+    """A new policy's scheduler is built (and a calibrated one calibrated) outside the pool's lock: /health
+    and requests for the live policy answer meanwhile, and a second request for the same new policy waits
+    for that one build instead of starting another."""
+    gpt, tok = tiny_model(seed=12)
+    app = make_app(gpt, tok, max_batch=2, max_images=1, max_policies=2)
+    pool = app.state.pool
+    gate, building, builds = threading.Event(), threading.Event(), []
+    create = pool._create
+
+    def slow_create(policy):
+        builds.append(policy.name)
+        building.set()
+        gate.wait(30)
+        return create(policy)
+
+    pool._create = slow_create
+    from fastapi.testclient import TestClient
+
+    body = dict(class_label=1, seed=1, policy="streaming", policy_args=dict(recent=4), return_tokens=True)
+    with TestClient(app) as client:
+        answers = []
+        new = [threading.Thread(target=lambda: answers.append(client.post("/v1/generate", json=body)))
+               for _ in range(2)]
+        for t in new:
+            t.start()
+        assert building.wait(30)
+        t0 = time.monotonic()
+        assert client.get("/health").status_code == 200
+        r = client.post("/v1/generate", json=dict(class_label=2, seed=3, return_tokens=True))  # the live dense
+        assert r.status_code == 200 and time.monotonic() - t0 < 20
+        assert not answers  # still building
+        gate.set()
+        for t in new:
+            t.join(60)
+    assert [a.status_code for a in answers] == [200, 200] and builds == ["streaming"]
+    assert answers[0].json()["tokens"] == answers[1].json()["tokens"]
+    assert torch.equal(torch.tensor(answers[0].json()["tokens"]), offline_tokens(gpt, body))
+    pool.close()
+
+
 def test_serve_bench_reports_throughput_latency_batch_and_the_worker_breakdown():
     gpt, tok = tiny_model(seed=11)
     app = make_app(gpt, tok, max_batch=8)

@@ -22,6 +22,7 @@ from ..engine.continuous import supports_continuous
 from ..engine.generator import resolve_device, resolve_dtype, row_keys, sampling_rows
 from ..prompt_mask import pad_captions
 from ..tokenizers import make_grid, to_pil
+from .body_guard import BodyGuard, default_max_body_bytes
 from .config import ServeConfig
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .pool import SchedulerPool
@@ -105,6 +106,8 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
     app = FastAPI(title="arsparse", version=__version__,
                   description="Autoregressive image generation with sparse attention and continuous batching.")
     app.state.pool, app.state.metrics, app.state.config = pool, metrics, config
+    app.add_middleware(BodyGuard, max_bytes=config.max_body_bytes or default_max_body_bytes(cfg),
+                       read_timeout_s=config.body_timeout_s)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
@@ -113,9 +116,14 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 400:  # FastAPI could not read the body at all (e.g. not UTF-8)
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, StarletteHTTPException):  # (BodyGuard's 408/413)
+            exc = cause
+        elif exc.status_code == 400:  # FastAPI could not read the body at all
+            why = ("it nests deeper than the JSON parser allows; a generate request nests 5 levels at most"
+                   if isinstance(cause, RecursionError) else f"{exc.detail}: {cause}" if cause else exc.detail)
             return JSONResponse(status_code=422, content=dict(
-                detail=f"invalid request: the body could not be read as JSON ({exc.detail}); send a UTF-8 JSON "
+                detail=f"invalid request: the body could not be read as JSON ({why}); send a UTF-8 JSON "
                        f"object such as {example}"))
         detail = str(exc.detail)
         if exc.status_code in (404, 405):  # (say what is there)

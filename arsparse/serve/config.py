@@ -21,6 +21,9 @@ class ServeConfig:
     ``vq_dtype``: the precision of the image decoder ("fp32", "bf16", "fp16"; None: the serving dtype).
     bf16 halves the decoder's bytes and arithmetic on a GPU (not yet timed); on the shipped emoji VQ
     its images are 59 dB PSNR from the fp32 decoder's (at most 2 of 255 levels apart).
+    ``max_body_bytes``: the largest request body (413 past it; None: 1 MiB, plus a t2i model's
+    caption features as JSON text). ``body_timeout_s``: how long a request body may stall before
+    the server answers 408 and drops it.
     """
 
     max_batch: int = 32
@@ -33,13 +36,18 @@ class ServeConfig:
     cuda_graphs: bool = True
     compile: bool = False
     vq_dtype: str | None = None
+    max_body_bytes: int | None = None
+    body_timeout_s: float = 30.0
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_images", "max_policies"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ServeConfig: {name} must be a positive integer, got {v!r}")
-        for name in ("timeout_s", "max_timeout_s"):
+        v = self.max_body_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"ServeConfig: max_body_bytes must be a positive integer or None, got {v!r}")
+        for name in ("timeout_s", "max_timeout_s", "body_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"ServeConfig: {name} must be a positive number of seconds, got {v!r}")

@@ -37,7 +37,8 @@ class SchedulerPool:
     def __init__(self, gpt, tokenizer, config, device=None, dtype=None, policy: str = "dense",
                  policy_args: dict | None = None):
         self.gpt, self.tokenizer, self.config, self.device, self.dtype = gpt, tokenizer, config, device, dtype
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _live
+        self._create_lock = threading.Lock()
         self._live: OrderedDict[tuple, Scheduler] = OrderedDict()
         self.default_name, self.default_args = policy, dict(policy_args or {})
         self.default_key = self._key(policy, self.default_args)
@@ -64,22 +65,40 @@ class SchedulerPool:
             raise PolicyError(f"{name}: bad parameter type ({e})") from None
 
     def submit(self, name: str | None, args: dict | None, job: Job) -> Scheduler:
-        """Queue ``job`` on the scheduler of its policy, creating it if needed."""
+        """Queue ``job`` on the scheduler of its policy, creating it if needed.
+
+        A new scheduler is built outside ``_lock`` (a calibrated policy measures the model first, seconds
+        on a GPU), so /health and requests for live policies go on meanwhile; ``_create_lock`` builds one
+        at a time, so two requests for the same new policy calibrate it once.
+        """
         key, args = self.resolve(name, args)
         with self._lock:
             sched = self._live.get(key)
-            if sched is None:
+            if sched is not None:
+                return self._queue(key, sched, job)
+        with self._create_lock:
+            with self._lock:
+                sched = self._live.get(key)
+                if sched is not None:  # (built by the request before this one)
+                    return self._queue(key, sched, job)
                 try:
                     policy = get(key[0], **args)
                     policy.check(self.gpt.layout)  # before closing an idle pool for it
-                    self._make_room()
-                    sched = self._create(policy)
                 except TypeError as e:
                     raise PolicyError(f"{key[0]}: bad parameter type ({e})") from None
+                self._make_room()
+            try:
+                sched = self._create(policy)
+            except TypeError as e:
+                raise PolicyError(f"{key[0]}: bad parameter type ({e})") from None
+            with self._lock:
                 self._live[key] = sched
-            self._live.move_to_end(key)
-            sched.submit(job)
-            return sched
+                return self._queue(key, sched, job)
+
+    def _queue(self, key: tuple, sched: Scheduler, job: Job) -> Scheduler:
+        self._live.move_to_end(key)
+        sched.submit(job)
+        return sched
 
     def _make_room(self) -> None:
         if len(self._live) < self.config.max_policies:
