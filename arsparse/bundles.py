@@ -90,11 +90,13 @@ def _random_init(module: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(name: str = DEFAULT_MODEL, device="cpu", dtype: torch.dtype = torch.float32) -> tuple[GPT, ImageTokenizer]:
-    """Load a named bundle -> (gpt, tokenizer)."""
-    from .loading import TOKENIZER_META, load_gpt, read_metadata
+    """Load a named bundle -> (gpt, tokenizer). ``device``: cpu, cuda or cuda:N; ``dtype``: fp32, bf16, fp16
+    or a ``torch.dtype``."""
+    from .loading import TOKENIZER_META, device_dtype, load_gpt, read_metadata
 
     if name not in BUNDLES:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(BUNDLES)} (see `arsparse models`)")
+    device, dtype = device_dtype(device, dtype)
     b = BUNDLES[name]
     if not b.available:
         missing = ", ".join(f for f in b.files if not (WEIGHTS_DIR / f).is_file())

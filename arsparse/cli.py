@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,9 @@ import torch
 from .cliargs import add_model_args, build_model, finite_float, int_list, load_captions, positive_int
 
 
+IMAGE_NAME = re.compile(r"\d{4,}_(class|caption)\d+\.png")  # the images generate writes: 0003_class7.png
+
+
 def cmd_generate(args) -> int:
     from .engine.generator import Generator
     from .tokenizers import save_grid, to_pil
@@ -19,9 +23,10 @@ def cmd_generate(args) -> int:
     gpt, tok, _, cfg_scale = build_model(args)
     cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
     cfg = gpt.config
-    from .policies import get, parse_args
+    from .policies import get, parse_args, parse_spec
 
-    policy = get(args.policy, **parse_args(args.policy_arg))
+    policy_name, own = parse_spec(args.policy)  # ("diagonal:rows=2" as eval and bench take it; its settings win)
+    policy = get(policy_name, **{**parse_args(args.policy_arg), **own})
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
                     compile=args.compile, matvec=args.matvec)
     masks, extra = None, {}
@@ -72,6 +77,9 @@ def cmd_generate(args) -> int:
         images.append(gen.decode_images(tokens))
     images = torch.cat(images)
     elapsed = time.perf_counter() - t0
+    for old in (out / "images").iterdir():  # an earlier run's images (by their names), not to mix with these
+        if IMAGE_NAME.fullmatch(old.name) and old.is_file():
+            old.unlink()
     for i, img in enumerate(to_pil(images)):  # at the model's own resolution
         label = f"class{int(conds[i])}" if cfg.model_type == "c2i" else f"caption{i % conds.shape[0]}"
         img.save(out / "images" / f"{i:04d}_{label}.png")
@@ -194,10 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency mode: decode steps of at most 16 rows (8 images with guidance) through Triton "
                         "matrix-vector kernels with the norms, RoPE and SwiGLU folded in; larger batches take the "
                         "PyTorch blocks (CUDA; not with --compile)")
-    g.add_argument("--policy", default="dense", help="sparse-attention policy (see `arsparse policies`)")
+    g.add_argument("--policy", default="dense",
+                   help="sparse-attention policy (see `arsparse policies`), optionally with its settings as eval "
+                        "and bench take them: diagonal:rows=2,band=1 (these win over --policy-arg)")
     g.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="policy parameter, repeatable: --policy-arg rows=3 --policy-arg band=2")
-    g.add_argument("--out", default="out", help="output folder: grid.png, images/, generate.json")
+    g.add_argument("--out", default="out",
+                   help="output folder: grid.png, images/, generate.json; a folder used before has its earlier "
+                        "images (images/NNNN_classK.png, NNNN_captionK.png) replaced by this run's, once they "
+                        "are made; other files are left alone")
     g.add_argument("--nrow", type=positive_int, default=8, help="images per row of grid.png")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(func=cmd_generate)

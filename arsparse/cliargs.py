@@ -9,9 +9,12 @@ from pathlib import Path
 
 def int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, got {text!r}") from None
+        out = []
+    if not out:  # (an empty list would silently mean "the default")
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated integers like 1,2,3, got {text!r}")
+    return out
 
 
 def positive_int(text: str) -> int:
@@ -32,6 +35,19 @@ def finite_float(text: str) -> float:
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return v
+
+
+def need_extra(extra: str, what: str, *modules: str) -> None:
+    """Refuse, before any work, when a module of the optional dependencies ``extra`` (pyproject.toml)
+    is missing: ``need_extra("plots", "the figures need", "matplotlib")``."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"{what} the {extra} extra ({e.name or module} is missing): "
+                             f"pip install 'arsparse[{extra}]'") from None
 
 
 FEATURE_KEYS = ("caption_embs", "emb_masks")  # LlamaGen's names: T5 features and their padding masks
@@ -100,7 +116,8 @@ def add_model_args(p: argparse.ArgumentParser,
     p.add_argument("--image-tokens", type=int, help="tokens per image for --gpt-ckpt (256, 576, ...)")
     p.add_argument("--model-type", choices=["c2i", "t2i"], help="checked against --gpt-ckpt")
     p.add_argument("--vq-ckpt", help=vq_help)
-    p.add_argument("--vq-preset", default="VQ-16", choices=["VQ-16", "VQ-8"])
+    p.add_argument("--vq-preset", choices=["VQ-16", "VQ-8"],
+                   help="VQ size of a weights-only --vq-ckpt (default VQ-16); a file with a config header needs none")
 
 
 def build_model(args, need_tokenizer: bool = True):

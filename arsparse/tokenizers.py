@@ -22,6 +22,24 @@ __all__ = ["ImageTokenizer", "VQTokenizer", "PaletteTokenizer", "make_tokenizer"
            "save_grid"]
 
 
+#: How far outside ``[-1, 1]`` :meth:`ImageTokenizer.encode` lets a pixel be (float rounding; an
+#: 8-bit grey level is 2/255 wide).
+PIXEL_TOLERANCE = 1e-3
+
+
+def check_pixel_range(images: torch.Tensor) -> None:
+    """Raise a clear ValueError unless every pixel of ``images`` is finite and in ``[-1, 1]``
+    (give or take :data:`PIXEL_TOLERANCE`). Waits for the device once."""
+    if not images.numel():
+        return
+    lo, hi = torch.stack(torch.aminmax(images.detach())).tolist()  # NaN, if any, in both
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"images must be finite floats in [-1, 1], got {'NaN' if math.isnan(lo) else 'infinite'} pixels")
+    if lo < -1 - PIXEL_TOLERANCE or hi > 1 + PIXEL_TOLERANCE:
+        raise ValueError(f"images must be floats in [-1, 1] (x / 127.5 - 1 for 8-bit pixels x), "
+                         f"got range [{lo:.4g}, {hi:.4g}]")
+
+
 class ImageTokenizer(ABC):
     """Abstract image tokenizer.
 
@@ -62,6 +80,7 @@ class ImageTokenizer(ABC):
             ``(B, N)`` int64 token ids with ``N = (H // downsample) * (W // downsample)``.
         """
         self.grid_size(self._check_images(images).shape[-2:])
+        check_pixel_range(images)
         with torch.inference_mode():
             return self._encode(images).long()
 

@@ -225,3 +225,70 @@ def test_save_rejects_bad_input(tmp_path):
         save_safetensors({"a": 1.0}, tmp_path / "a.safetensors")
     with pytest.raises(CheckpointError, match="no tensors"):
         save_safetensors({}, tmp_path / "a.safetensors")
+
+
+def test_arguments_that_disagree_with_a_config_header_are_refused(tmp_path):
+    """A file with a config header ignored preset=/model_type= (and load_vq's overrides) silently: now one that
+    disagrees is a CheckpointError naming both, and one that agrees loads as before."""
+    import arsparse
+    from arsparse.loading import config_metadata
+    from conftest import random_gpt
+
+    gpt = random_gpt("c2i", image_tokens=16)  # GPT-tiny
+    save_safetensors(gpt.state_dict(), tmp_path / "g.safetensors", config_metadata(gpt.config))
+    with pytest.raises(CheckpointError, match=r"preset='GPT-B' \(n_layer=12, n_head=12, dim=768\) disagrees with the "
+                                              r"config in the header of .*g.safetensors \(n_layer=2, n_head=4, dim=64\)"):
+        arsparse.load_gpt(tmp_path / "g.safetensors", preset="GPT-B")
+    with pytest.raises(CheckpointError, match=r"model_type='t2i' disagrees .*\(model_type='c2i'\)"):
+        arsparse.load_gpt(tmp_path / "g.safetensors", model_type="t2i")
+    with pytest.raises(ValueError, match="unknown GPT preset 'GPT-Q'"):
+        arsparse.load_gpt(tmp_path / "g.safetensors", preset="GPT-Q")
+    again = arsparse.load_gpt(tmp_path / "g.safetensors", preset="GPT-tiny", model_type="c2i", image_tokens=16)
+    assert again.config == gpt.config
+
+    vq = VQModel(vq_config("VQ-16", ch=32, codebook_size=48))
+    save_safetensors(vq.state_dict(), tmp_path / "v.safetensors", config_metadata(vq.config))
+    with pytest.raises(CheckpointError, match=r"preset='VQ-8' \(encoder_ch_mult=\(1, 2, 2, 4\).*disagrees .*"
+                                              r"\(encoder_ch_mult=\(1, 1, 2, 2, 4\)"):
+        arsparse.load_vq(tmp_path / "v.safetensors", preset="VQ-8")
+    with pytest.raises(CheckpointError, match=r"codebook_size=64 disagrees .*\(codebook_size=48\).*leave codebook_size out"):
+        arsparse.load_vq(tmp_path / "v.safetensors", codebook_size=64)
+    for kw in ({}, dict(preset="VQ-16"), dict(codebook_size=48, ch_mult=[1, 1, 2, 2, 4])):
+        assert arsparse.load_vq(tmp_path / "v.safetensors", **kw).model.config == vq.config
+    torch.save(vq.state_dict(), tmp_path / "v.pt")  # weights only: preset (default VQ-16) and overrides size it
+    assert arsparse.load_vq(tmp_path / "v.pt", ch=32).model.config == vq.config
+
+
+def test_load_takes_the_device_and_dtype_spellings_of_the_command_line(tmp_path):
+    """load_gpt(dtype='bf16') and device='gpu' were raw torch errors: the CLI's spellings load, others are named."""
+    import arsparse
+    from arsparse.loading import config_metadata
+    from conftest import random_gpt
+
+    gpt = random_gpt("c2i", image_tokens=16)
+    save_safetensors(gpt.state_dict(), tmp_path / "g.safetensors", config_metadata(gpt.config))
+    vq = VQModel(vq_config("VQ-16", ch=32, codebook_size=48))
+    save_safetensors(vq.state_dict(), tmp_path / "v.safetensors", config_metadata(vq.config))
+    for spelling, dtype in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("float32", torch.float32),
+                            (torch.bfloat16, torch.bfloat16), (None, torch.float32)]:
+        assert arsparse.load_gpt(tmp_path / "g.safetensors", dtype=spelling).dtype == dtype
+    assert arsparse.load_gpt(tmp_path / "g.safetensors", device=torch.device("cpu")).output.weight.device.type == "cpu"
+    with pytest.raises(ValueError, match=r"unknown dtype 'bfloat'; choose one of \['bf16'"):
+        arsparse.load_gpt(tmp_path / "g.safetensors", dtype="bfloat")
+    with pytest.raises(ValueError, match="dtype must be a floating-point type .*got torch.int64"):
+        arsparse.load_gpt(tmp_path / "g.safetensors", dtype=torch.int64)
+    for load in (lambda: arsparse.load_gpt(tmp_path / "g.safetensors", device="gpu"),
+                 lambda: arsparse.load_vq(tmp_path / "v.safetensors", device="gpu"),
+                 lambda: arsparse.load_model(device="gpu")):
+        with pytest.raises(ValueError, match="unknown device 'gpu': use cpu, cuda or cuda:N"):
+            load()
+    assert arsparse.load_model(dtype="bf16")[0].dtype == torch.bfloat16  # (a shipped bundle: through load_gpt)
+
+
+def test_load_model_takes_the_command_line_spellings_for_random_bundles_too():
+    import arsparse
+
+    with pytest.raises(ValueError, match="unknown device 'gpu': use cpu, cuda or cuda:N"):
+        arsparse.load_model("random-small", device="gpu")
+    gpt, tok = arsparse.load_model("random-small", dtype="bf16")
+    assert gpt.dtype == torch.bfloat16

@@ -166,3 +166,118 @@ def test_generate_from_a_trained_file_takes_the_tokenizer_it_names(tmp_path, cap
     a, b = (sorted((tmp_path / d / "images").glob("*.png")) for d in "ab")
     assert len(a) == 1 and Image.open(a[0]).size == Image.open(b[0]).size == (28, 28)
     assert Image.open(a[0]).tobytes() == Image.open(b[0]).tobytes()
+
+
+def test_generate_replaces_the_images_of_an_earlier_run_in_the_same_folder(tmp_path, capsys):
+    """A reused --out holds this run's images only (an earlier run made more), and files generate
+    did not write are left alone."""
+    ckpt = _tiny_checkpoints(tmp_path)
+    out = tmp_path / "out"
+    assert main(["generate", *ckpt, "--classes", "1,2,3", "--num-images", "5", "--out", str(out), "--quiet"]) == 0
+    (out / "images" / "mine.png").write_bytes(b"x")
+    (out / "images" / "0001_class1.txt").write_text("notes")
+    assert main(["generate", *ckpt, "--classes", "4", "--num-images", "2", "--out", str(out), "--quiet"]) == 0
+    assert sorted(f.name for f in (out / "images").iterdir()) == ["0000_class4.png", "0001_class1.txt",
+                                                                  "0001_class4.png", "mine.png"]
+    assert json.loads((out / "generate.json").read_text())["num_images"] == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "earlier images (images/NNNN_classK.png, NNNN_captionK.png) replaced by this run's" in help_text
+
+
+def test_empty_int_lists_are_refused_not_taken_as_the_default(tmp_path, capsys, monkeypatch):
+    import arsparse.analysis.cli as analysis_cli
+    import arsparse.cli as cli
+
+    for mod in (cli, analysis_cli):
+        monkeypatch.setattr(mod, "build_model", lambda *a, **k: pytest.fail("the work started"))
+    for argv in (["generate", "--classes", ","], ["generate", "--classes", " , "], ["analyze", "--layers", ","],
+                 ["analyze", "--heads", ""]):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--out", str(tmp_path / "never")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "expected one or more comma-separated integers like 1,2,3, got" in err, argv
+    assert not (tmp_path / "never").exists()
+
+
+def test_generate_takes_the_policy_spelling_of_eval_and_bench(tmp_path, capsys):
+    """--policy NAME:KEY=VALUE,... as eval's --policies and bench's take it (the same parser): its settings
+    apply, they win over --policy-arg, and a bad one is a message."""
+    ckpt = _tiny_checkpoints(tmp_path)
+    common = [*ckpt, "--classes", "3", "--seed", "4", "--cfg-scale", "2", "--quiet"]
+    assert main(["generate", *common, "--policy", "diagonal:local=2,rows=1,band=1", "--out", str(tmp_path / "a")]) == 0
+    assert main(["generate", *common, "--policy", "diagonal", "--policy-arg", "local=2", "--policy-arg", "rows=1",
+                 "--policy-arg", "band=1", "--out", str(tmp_path / "b")]) == 0
+    assert main(["generate", *common, "--policy", "diagonal:rows=1,band=1", "--policy-arg", "local=2",
+                 "--policy-arg", "rows=3", "--out", str(tmp_path / "c")]) == 0, capsys.readouterr().err
+    a, b, c = (json.loads((tmp_path / d / "generate.json").read_text())["policy"] for d in "abc")
+    assert a == b == c and a["name"] == "diagonal"
+    pixels = [Image.open(tmp_path / d / "images" / "0000_class3.png").tobytes() for d in "abc"]
+    assert pixels[0] == pixels[1] == pixels[2]
+    assert main(["generate", *common, "--policy", "diagonal:band=-1", "--out", str(tmp_path / "d")]) == 2
+    assert "band must be an integer >= 0" in capsys.readouterr().err
+    assert main(["generate", *common, "--policy", "diagonal:rows", "--out", str(tmp_path / "d")]) == 2
+    assert "policy argument 'rows' must look like key=value" in capsys.readouterr().err
+
+
+def test_missing_plots_extra_is_refused_before_analyze_or_a_sweep_starts(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import arsparse.analysis.cli as analysis_cli
+    import arsparse.bundles as bundles
+
+    def no_work(*a, **k):
+        raise AssertionError("the work started")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib fails, as when not installed)
+    monkeypatch.setattr(analysis_cli, "build_model", no_work)
+    monkeypatch.setattr(bundles, "load_model", no_work)
+    assert main(["analyze", "--model", "fashion-c2i", "--out", str(tmp_path / "an")]) == 2
+    assert capsys.readouterr().err == ("arsparse: error: analyze draws figures and needs the plots extra (matplotlib "
+                                       "is missing): pip install 'arsparse[plots]'\n")
+    assert main(["eval", "--model", "fashion-c2i", "--sweep-rho", "0.5", "--out", str(tmp_path / "sw")]) == 2
+    assert capsys.readouterr().err == ("arsparse: error: --sweep-rho draws sweep.png and needs the plots extra "
+                                       "(matplotlib is missing): pip install 'arsparse[plots]'\n")
+    assert not (tmp_path / "an").exists() and not (tmp_path / "sw").exists()
+
+
+def test_analyze_checks_its_output_folder_before_the_work(tmp_path, capsys, monkeypatch):
+    import arsparse.analysis.cli as analysis_cli
+
+    monkeypatch.setattr(analysis_cli, "build_model", lambda *a, **k: pytest.fail("the work started"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, msg in (("/proc/x", "cannot write /proc/x/stats.json: /proc does not take new files"),
+                     (str(afile / "x"), f"cannot write {afile}/x/stats.json: {afile} is a file, not a folder")):
+        assert main(["analyze", "--model", "fashion-c2i", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error: ") and msg in err and len(err.splitlines()) == 1, err
+
+
+def test_serve_bench_refuses_more_images_per_request_than_the_server_takes(capsys, monkeypatch):
+    import arsparse.serve.cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "_app_from_args", lambda *a, **k: pytest.fail("the server was built"))
+    for n, extra, limit, fix in ((9, [], 8, "raise --max-images"), (5, ["--max-batch", "4"], 4, "raise --max-batch"),
+                                 (9, ["--max-images", "2", "--max-batch", "3"], 2, "raise --max-images and --max-batch")):
+        assert main(["serve-bench", "--model", "fashion-c2i", "--n", str(n), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"arsparse: error: --n {n} is more images per request than the server takes: at most "
+                              f"{limit} (--max-images") and err.rstrip().endswith(f"lower --n or {fix}"), err
+
+
+def test_serve_bench_json_has_null_not_nan_when_every_request_fails():
+    pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'arsparse[serve]'")
+    from arsparse.serve.loadgen import serve_bench
+    from serve_util import make_app, tiny_model
+
+    gpt, tok = tiny_model(seed=21)
+    app = make_app(gpt, tok, max_batch=2, max_images=1)
+    out = serve_bench(app, "tiny", requests=2, concurrency=1, n=2, warmup=0, num_classes=7, client_process=False)
+    assert out["failures"] == 2 and out["failure_statuses"] == [422] and out["requests_per_s"] == 0
+    for k in ("latency_p50_s", "latency_p90_s", "latency_p99_s", "latency_mean_s"):
+        assert out[k] is None, k
+    text = json.dumps(out, allow_nan=False)  # (raises on NaN or Infinity)
+    assert "NaN" not in text and json.loads(text)["latency_p50_s"] is None

@@ -238,3 +238,56 @@ def test_compiled_engine_outlives_torch_default_recompile_limit():
     finally:  # (its programs would count towards the limit of later tests that compile without the engine)
         dynamo.reset()
     assert graphs[0] < graphs[1] < graphs[2]  # each batch compiled its own programs, none ran eagerly
+
+
+def test_cached_logits_refuses_tokens_the_model_cannot_take():
+    """Teacher forcing through the cache indexed past the vocabulary or the cache (IndexError), broadcast a
+    mismatched batch (RuntimeError, or silently) and gave one row of logits for no tokens: each is named now."""
+    gpt = random_gpt("c2i", image_tokens=16)  # vocab 48
+    gen, cond = Generator(gpt, device="cpu"), random_cond(gpt, 2)
+    for tokens, msg in [(torch.full((2, 4), 48), r"token ids must be in \[0, 48\).*got 48"),
+                        (torch.full((2, 4), -1), r"token ids must be in \[0, 48\).*got -1"),
+                        (torch.zeros(2, 17, dtype=torch.long), "1..16 columns .*got 17"),
+                        (torch.zeros(2, 0, dtype=torch.long), "1..16 columns .*got 0"),
+                        (torch.zeros(3, 4, dtype=torch.long), "2 conditions for 3 token rows"),
+                        (torch.zeros(1, 4, dtype=torch.long), "2 conditions for 1 token rows"),
+                        (torch.zeros(2, 4), r"\(B, T\) integer tensor, got torch.float32")]:
+        with pytest.raises(ValueError, match=msg):
+            gen.cached_logits(cond, tokens)
+    tokens = torch.randint(0, 48, (2, 16))
+    torch.testing.assert_close(gen.cached_logits(cond, tokens), gpt.logits(cond, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_images_of_no_tokens_is_an_empty_batch():
+    """As the tokenizers' decode gives: (0, 3, H, W), not torch.cat's error on an empty list."""
+    from arsparse.models.vq import VQModel, vq_config
+    from arsparse.tokenizers import PaletteTokenizer, VQTokenizer
+
+    gpt = random_gpt("c2i", image_tokens=16)
+    vq = VQTokenizer(VQModel(vq_config("VQ-16", ch=32, codebook_size=48)).eval())
+    for tok, size in [(PaletteTokenizer(48), 4), (vq, 64)]:
+        gen = Generator(gpt, tok, device="cpu")
+        assert gen.decode_images(torch.zeros(0, 16, dtype=torch.long)).shape == (0, 3, size, size)
+        with pytest.raises(ValueError, match="4x4 = 16 tokens does not match tokens with N=15"):
+            gen.decode_images(torch.zeros(0, 15, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cond", [{1: 2, 3: 4}, {1, 2}, frozenset([1]), torch.tensor([True, False]),
+                                  np.array([True, False]), b"12"])
+def test_class_labels_in_a_dict_a_set_or_booleans_are_refused(cond):
+    """A dict gave its keys as labels, a set its own order, a bool tensor 0s and 1s: refused, saying what is allowed."""
+    gen = Generator(random_gpt("c2i"), device="cpu")
+    with pytest.raises(ValueError, match="class labels must be an int or a sequence of ints .*integer tensor; "
+                                         "not a dict, a set or booleans"):
+        gen.as_cond(cond)
+    assert gen.as_cond(torch.tensor([1, 2], dtype=torch.int32)).tolist() == [1, 2]  # integer tensors stay
+    assert gen.as_cond(np.array([3, 4])).tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("cond", [torch.ones(1, 5, 12, dtype=torch.bool), torch.ones(1, 5, 12, dtype=torch.long),
+                                  np.ones((1, 5, 12), dtype=bool), {"features": 1}, {1.0}])
+def test_caption_features_that_are_not_floats_are_refused(cond):
+    gen = Generator(random_gpt("t2i"), device="cpu")  # 5 caption tokens of 12 features
+    with pytest.raises(ValueError, match=r"caption features must be a \(B, 5, 12\) float tensor or array"):
+        gen.as_cond(cond)
+    assert gen.as_cond(np.ones((1, 5, 12), dtype=np.float16)).dtype == torch.float32

@@ -476,3 +476,39 @@ def test_eval_cli_fd_floor_zero_reads_no_training_split(tmp_path, monkeypatch, c
     assert eval_main([*args, "--out", str(tmp_path / "default")]) == 0
     assert "train" in splits
     assert json.loads((tmp_path / "default" / "eval.json").read_text())["fd_floor"]["classifier"] is not None
+
+
+def test_eval_refuses_a_classifier_of_another_data_set(tmp_path, monkeypatch, capsys):
+    """--classifier trained for 18 classes (emoji) on a 10-class model (fashion-c2i): refused with both counts,
+    before the held-out data are read (its accuracy and features would say nothing about this model)."""
+    import importlib
+
+    from arsparse.bundles import BUNDLES
+    from arsparse.eval.classifier import CLASSIFIER_FILES
+
+    if not BUNDLES["fashion-c2i"].available:
+        pytest.skip("fashion-c2i weights not installed")
+    evaluate_mod = importlib.import_module("arsparse.eval.evaluate")  # (arsparse.eval.evaluate is also a function)
+    monkeypatch.setattr(evaluate_mod, "fashion_heldout", lambda *a, **k: pytest.fail("the work started"))
+    emoji = CLASSIFIER_FILES["emoji"]
+    assert eval_main(["--model", "fashion-c2i", "--classifier", str(emoji), "--out", str(tmp_path / "ev"),
+                      "--quiet"]) == 2
+    assert capsys.readouterr().err == (f"arsparse: error: --classifier {emoji} tells 18 classes apart but fashion-c2i "
+                                       f"generates 10: give a classifier trained on fashion-c2i's data set, with 10 "
+                                       f"classes\n")
+    assert not (tmp_path / "ev").exists()
+
+
+@pytest.mark.parametrize("sweep", [[], ["--sweep-rho", "0.5"]])
+def test_eval_checks_its_output_folder_before_the_work(tmp_path, monkeypatch, capsys, sweep):
+    import arsparse.bundles as bundles
+
+    monkeypatch.setattr(bundles, "load_model", lambda *a, **k: pytest.fail("the work started"))
+    first = "sweep.json" if sweep else "eval.json"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, msg in (("/proc/x", f"cannot write /proc/x/{first}: /proc does not take new files"),
+                     (str(afile / "x"), f"cannot write {afile}/x/{first}: {afile} is a file, not a folder")):
+        assert eval_main(["--model", "fashion-c2i", *sweep, "--out", out, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error: ") and msg in err and len(err.splitlines()) == 1, err

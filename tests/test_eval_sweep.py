@@ -258,7 +258,7 @@ def test_sweep_from_the_command_line_with_frechet(tmp_path, monkeypatch, capsys)
     import arsparse.bundles as bundles
     import arsparse.eval.mobilenet as mobilenet
 
-    gpt = random_gpt(image_tokens=64, seed=fresh_seed() % 997)
+    gpt = random_gpt(image_tokens=64, seed=fresh_seed() % 997, num_classes=10)  # (the fashion classifier's classes)
     monkeypatch.setattr(bundles, "load_model", lambda name: (gpt, PaletteTokenizer(48)))
     monkeypatch.setattr(mobilenet, "find_mobilenet_weights", lambda path=None: None)
     out = tmp_path / "sw"

@@ -123,6 +123,24 @@ def test_bad_conditions_and_tokens():
         t2i.logits(torch.randn(2, 4, 12), tokens)
 
 
+def test_teacher_forcing_refuses_token_ids_outside_the_vocabulary():
+    """Out-of-vocabulary ids (inputs or the last, target-only column) are a ValueError naming [0, vocab), not an
+    IndexError (or a CUDA assert) from the embedding or the loss."""
+    model = random_gpt("c2i")  # vocab 48
+    cond = torch.tensor([0, 1])
+    for bad, col in [(48, 2), (-1, 2), (48, 3), (-1, 3), (1000, 0)]:
+        tokens = torch.randint(0, 48, (2, 4))
+        tokens[1, col] = bad
+        for fn in (model.logits, model.loss, lambda c, t: model.logits(c, t, policy="dense")):
+            with pytest.raises(ValueError, match=rf"token ids must be in \[0, 48\).*got {bad} "):
+                fn(cond, tokens)
+    with pytest.raises(ValueError, match="1..16 columns .*image tokens.*got 17"):
+        model.loss(cond, torch.randint(0, 48, (2, 17)))
+    with pytest.raises(ValueError, match=r"\(B, T\) integer tensor, got torch.float32"):
+        model.logits(cond, torch.zeros(2, 4))
+    assert model.loss(cond, torch.randint(0, 48, (2, 4))).isfinite()  # in range: as before
+
+
 def _manifest(name):
     import json
     from pathlib import Path

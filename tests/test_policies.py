@@ -490,3 +490,35 @@ def test_adaptive_calibration_size_is_capped():
     with pytest.raises(policies.PolicyError, match=rf"calib_samples must be an integer in \[1, 64\].*got {n}"):
         policies.get("diagonal-adaptive", calib_samples=n)
     assert policies.get("diagonal-adaptive", calib_samples=64).calib_samples == 64
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+def test_scored_teacher_forcing_refuses_mismatched_batches_and_bad_tokens(name):
+    """The token-by-token path would broadcast one row of conditions or tokens over the other (2 conditions,
+    1 token row: two rows of logits, silently): both sizes are named instead; so are the column and id ranges."""
+    gpt = random_gpt("c2i", image_tokens=16)
+    pol = policies.get(name, rho=0.9)
+    cond, tokens = random_cond(gpt, 2), torch.randint(0, 48, (2, 5))
+    with pytest.raises(ValueError, match="2 conditions for 1 token rows"):
+        gpt.logits(cond, tokens[:1], policy=pol)
+    with pytest.raises(ValueError, match="1 conditions for 2 token rows"):
+        gpt.logits(cond[:1], tokens, policy=pol)
+    with pytest.raises(ValueError, match="2 conditions for 1 token rows"):  # the policy's own entry point
+        pol.teacher_forced_logits(gpt, cond, tokens[:1])
+    with pytest.raises(ValueError, match=r"1..16 columns .*got 17"):
+        pol.teacher_forced_logits(gpt, cond, torch.randint(0, 48, (2, 17)))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 48\).*got 48"):
+        pol.teacher_forced_logits(gpt, cond, torch.full((2, 5), 48))
+    assert gpt.logits(cond, tokens, policy=pol).shape == (2, 5, 48)
+
+
+def test_evaluations_own_decode_loop_refuses_what_teacher_forcing_refuses():
+    from arsparse.eval.forcing import forced_logits
+
+    gpt = random_gpt("c2i", image_tokens=16)
+    pol, cond = policies.get("h2o", rho=0.9), random_cond(gpt, 2)
+    for tokens, msg in [(torch.zeros(1, 4, dtype=torch.long), "2 conditions for 1 token rows"),
+                        (torch.full((2, 4), 48), r"token ids must be in \[0, 48\).*got 48"),
+                        (torch.zeros(2, 17, dtype=torch.long), "1..16 columns .*got 17")]:
+        with pytest.raises(ValueError, match=msg):
+            forced_logits(gpt, cond, tokens, pol, graphs=False)

@@ -404,6 +404,10 @@ def test_arsparse_serve_rejects_a_bad_policy_before_loading(capsys):
 
     assert main(["serve", "--policy", "diagonal", "--policy-arg", "rows=-1"]) == 2
     assert "rows must be an integer >= 0" in capsys.readouterr().err
+    # the NAME:key=value spelling of generate, eval and bench, its settings over --policy-arg's
+    for cmd in ("serve", "serve-bench"):
+        assert main([cmd, "--policy", "diagonal:rows=-1", "--policy-arg", "rows=2"]) == 2
+        assert "rows must be an integer >= 0, got -1" in capsys.readouterr().err
 
 
 def test_a_bad_default_guidance_fails_when_the_app_is_made():

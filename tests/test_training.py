@@ -174,6 +174,28 @@ def test_lr_schedule(tmp_path):
     assert lr_at(cfg, 55) == pytest.approx(1e-4 + 0.5 * 9e-4)
 
 
+def test_recipe_warmup_is_cut_to_a_quarter_of_a_short_run():
+    """--steps below a recipe's warm-up (fashion-c2i: 300): the warm-up becomes a quarter of the steps, so the
+    run reaches the peak learning rate and decays; the recipes' own runs and a warmup given explicitly are kept."""
+    from arsparse.training.vq_trainer import vq_recipe_config
+
+    cfg = recipe_config("fashion-c2i", "x", steps=10)
+    assert cfg.warmup == 2
+    lrs = [lr_at(cfg, s) for s in range(cfg.steps)]
+    assert lrs[1] == pytest.approx(cfg.lr) == max(lrs)  # the peak, at the end of the warm-up
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] < 0.2 * cfg.lr  # then the cosine decay
+    assert lr_at(cfg, cfg.steps) == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+    assert [recipe_config("fashion-c2i", "x", steps=s).warmup for s in (None, 1, 3, 100, 1000, 1200, 2000)] == [
+        300, 0, 0, 25, 250, 300, 300]
+    assert recipe_config("emoji-c2i", "x").warmup == 300 and recipe_config("emoji-c2i", "x", steps=40).warmup == 10
+    assert recipe_config("fashion-c2i", "x", steps=10, warmup=7).warmup == 7  # (given: kept as given)
+    with pytest.raises(ValueError, match=r"warmup must be an int in \[0, steps=10\], got 20"):
+        recipe_config("fashion-c2i", "x", steps=10, warmup=20)
+    assert vq_recipe_config("emoji-vq", "x").warmup == 200 and vq_recipe_config("emoji-vq", "x", steps=12).warmup == 3
+    one = recipe_config("fashion-c2i", "x", steps=1)  # (no warm-up: the peak at the only step)
+    assert lr_at(one, 0) == pytest.approx(one.lr)
+
+
 def test_batches_cover_each_epoch_and_drop_labels(tmp_path):
     n, bs = 40, 8
     seen = torch.cat([batch_indices(3, s, n, bs) for s in range(5)])

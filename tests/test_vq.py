@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from arsparse.models.vq import VQ_PRESETS, VQConfig, VQModel, vq_config
-from arsparse.tokenizers import ImageTokenizer, VQTokenizer, save_grid, to_pil
+from arsparse.tokenizers import ImageTokenizer, PaletteTokenizer, VQTokenizer, save_grid, to_pil
 
 DATA = Path(__file__).parent / "data"
 
@@ -260,3 +260,42 @@ def test_to_pil_and_save_grid(tmp_path):
         save_grid(x, tmp_path / "g.png", nrow=0)
     with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
         to_pil(torch.rand(3, 8, 8))
+
+
+@pytest.mark.parametrize("make", [lambda: VQTokenizer(tiny_vq()), lambda: PaletteTokenizer(48)])
+def test_encode_refuses_non_finite_and_out_of_range_pixels(make):
+    """NaN pixels became token -2**63 (palette) or a code (VQ), values past [-1, 1] were clamped or encoded:
+    now a ValueError naming [-1, 1]; float rounding just past it is still taken."""
+    tok = make()
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    for bad, msg in [(float("nan"), "finite floats in \\[-1, 1\\], got NaN pixels"),
+                     (float("inf"), "finite floats in \\[-1, 1\\], got infinite pixels"),
+                     (-float("inf"), "got infinite pixels"),
+                     (1.5, "floats in \\[-1, 1\\] .*got range \\[.*, 1.5\\]"),
+                     (-2.0, "floats in \\[-1, 1\\] .*got range \\[-2, ")]:
+        y = x.clone()
+        y[1, 2, 3, 4] = bad  # (the last channel: the palette's grey is the mean of all three)
+        with pytest.raises(ValueError, match=msg):
+            tok.encode(y)
+    y = x.clone()
+    y[0, 0, 0, :2] = torch.tensor([1 + 1e-6, -1 - 1e-6])
+    assert tok.encode(y).shape[0] == 2
+    if isinstance(tok, PaletteTokenizer):  # grey input too
+        g = y[:, :1].clone()
+        assert tok.encode(g)[0, :2].tolist() == [47, 0]
+        g[1, 0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match="NaN pixels"):
+            tok.encode(g)
+
+
+def test_empty_batches_decode_to_empty_images(vq):
+    """(0, N) tokens -> (0, 3, H, W) images, as the palette tokenizer (and both encoders) already gave;
+    the VQ path raised torch's reshape (or min of an empty tensor) error."""
+    tok, empty = VQTokenizer(vq), torch.zeros(0, 16, dtype=torch.long)
+    for check_range in (True, False):
+        assert tok.decode(empty, (4, 4), check_range=check_range).shape == (0, 3, 32, 32)
+        assert vq.decode_indices(empty, (4, 4), check_range=check_range).shape == (0, 3, 32, 32)
+    assert PaletteTokenizer(48).decode(empty, (4, 4)).shape == (0, 3, 4, 4)
+    assert tok.encode(torch.zeros(0, 3, 32, 32)).shape == (0, 16)
+    with pytest.raises(ValueError, match="3x5 = 15 tokens"):  # the other checks stay
+        tok.decode(empty, (3, 5))

@@ -5,8 +5,9 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
-from ..cliargs import add_model_args, build_model, finite_float, int_list, load_features
+from ..cliargs import add_model_args, build_model, finite_float, int_list, load_features, need_extra
 
 __all__ = ["add_analyze_parser", "cmd_analyze", "parse_steps"]
 
@@ -58,6 +59,7 @@ def parse_steps(text: str | None, n_steps: int) -> list[int] | None:
 def cmd_analyze(args) -> int:
     import torch
 
+    from ..checkpoint import check_output_file
     from ..engine.generator import sampling_rows
     from .metrics import MetricConfig
     from .report import DEFAULT_RHOS, analyze, write_report
@@ -65,6 +67,9 @@ def cmd_analyze(args) -> int:
     bad = [r for r in args.rho or [] if not 0 < r <= 1]
     if bad:
         raise ValueError(f"--rho: {bad} out of range; each rho (kept / dense) must be in (0, 1]")
+    # (checked before the work, whose results would otherwise be lost at the end)
+    check_output_file(Path(args.out) / "stats.json", suffix=".json")
+    need_extra("plots", "analyze draws figures and needs", "matplotlib")
     gpt, tok, name, cfg_scale = build_model(args, need_tokenizer=False)
     cfg = gpt.config
     cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale

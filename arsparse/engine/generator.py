@@ -6,7 +6,8 @@ import math
 import numbers
 import os
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from functools import partial
 
@@ -374,23 +375,32 @@ class Generator:
 
     def as_cond(self, cond) -> torch.Tensor:
         """Class labels (ints) or caption features -> a checked tensor on the device."""
-        if self.config.model_type == "c2i":
-            if isinstance(cond, torch.Tensor) and not cond.is_floating_point() and cond.dtype != torch.bool:
+        cfg = self.config
+        # (a dict or a set has no order, and booleans are no labels or features: refused, not converted)
+        unordered = isinstance(cond, (str, bytes, Mapping, AbstractSet))
+        dtype = getattr(cond, "dtype", None)  # a tensor's or an array's
+        boolean = dtype == torch.bool or getattr(dtype, "kind", None) == "b"
+        if cfg.model_type == "c2i":
+            if isinstance(cond, torch.Tensor) and not cond.is_floating_point() and not boolean:
                 cond = cond.long()
             else:  # (a label like 1.5 or "3" is an error, not truncated or parsed)
                 try:
-                    labels = [cond] if isinstance(cond, numbers.Integral) else None if isinstance(cond, str) else list(cond)
+                    labels = [cond] if isinstance(cond, numbers.Integral) else None if unordered or boolean else list(cond)
                 except TypeError:
                     labels = None
                 if labels is None:
-                    raise ValueError(f"class labels must be an int or a sequence of ints, got {reprlib.repr(cond)}")
+                    raise ValueError(f"class labels must be an int or a sequence of ints (or an integer tensor; not a "
+                                     f"dict, a set or booleans), got {reprlib.repr(cond)}")
                 cond = torch.tensor(_per_row("class labels", labels, len(labels), int), dtype=torch.long)
         else:
+            what = (f"caption features must be a (B, {cfg.cls_token_num}, {cfg.caption_dim}) float tensor or array, "
+                    f"got {reprlib.repr(cond)}")
+            if unordered or boolean or isinstance(cond, torch.Tensor) and not cond.is_floating_point():
+                raise ValueError(what)
             try:
                 cond = torch.as_tensor(cond, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
-                raise ValueError(f"caption features must be a (B, tokens, dim) float tensor or array, got "
-                                 f"{reprlib.repr(cond)}") from None
+                raise ValueError(what) from None
         self.gpt.check_cond(cond)
         return cond.to(self.device, non_blocking=True)  # from pageable memory: staged at once, no stream sync
 
@@ -477,6 +487,7 @@ class Generator:
         """
         cond = torch.as_tensor(cond).to(self.device)
         self.gpt.check_cond(cond, allow_null=True)
+        self.gpt.check_tokens(tokens, cond.shape[0])  # (the steps would broadcast, index past the cache or the vocabulary)
         mask = check_prompt_mask(prompt_mask, cond.shape[0], self.config.cls_token_num, self.config.model_type)
         tokens = tokens.to(self.device)
         run = _Runner(self.gpt, _Plan(cond.shape[0], False, 0, False, mask is not None), self.device, False,
@@ -499,7 +510,7 @@ class Generator:
             raise ValueError("this Generator has no tokenizer: pass tokenizer=... to turn tokens into images")
         grid = (self.config.grid_h, self.config.grid_w)
         parts = []
-        for i in range(0, tokens.shape[0], chunk):
+        for i in range(0, max(tokens.shape[0], 1), chunk):  # (no tokens: one empty chunk, (0, 3, H, W) images)
             images = self.tokenizer.decode(tokens[i : i + chunk].to(self.device, non_blocking=True), grid=grid,
                                            check_range=check_range).float()
             parts.append(images.cpu() if host else images)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
-from ..cliargs import finite_float, positive_int
+from ..cliargs import finite_float, need_extra, positive_int
 
 __all__ = ["add_eval_parser", "cmd_eval", "parse_policy_args", "main"]
 
@@ -51,6 +52,7 @@ def _same_model(bundled, path: str, name: str):
 
 def cmd_eval(args) -> int:
     from ..bundles import BUNDLES, DEFAULT_MODEL, load_model
+    from ..checkpoint import check_output_file
     from ..data import EmojiDataError, FashionDataError
     from ..engine.generator import resolve_device
     from ..policies import split_specs
@@ -76,6 +78,10 @@ def cmd_eval(args) -> int:
         raise ValueError(f"--fd-floor is a number of real training images (0: no floor), got {args.fd_floor}")
     if not 0 <= args.sweep_tolerance < 100:
         raise ValueError(f"--sweep-tolerance is a percentage in [0, 100), got {args.sweep_tolerance}")
+    # (checked before the work, whose results would otherwise be lost at the end)
+    check_output_file(Path(args.out) / ("sweep.json" if sweeping else "eval.json"), suffix=".json")
+    if sweeping:
+        need_extra("plots", "--sweep-rho draws sweep.png and needs", "matplotlib")
     features = not sweeping or args.sweep_frechet  # generation, Fréchet distances and class accuracy
     name = args.model or DEFAULT_MODEL
     gpt, tok = load_model(name)
@@ -96,6 +102,12 @@ def cmd_eval(args) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
+    if features and args.classifier:  # (before the held-out data are read)
+        classifier = load_classifier(args.classifier)
+        if classifier.spec.num_classes != gpt.config.num_classes:  # (its accuracy and features would mean nothing)
+            raise ValueError(f"--classifier {args.classifier} tells {classifier.spec.num_classes} classes apart but "
+                             f"{name} generates {gpt.config.num_classes}: give a classifier trained on {name}'s data "
+                             f"set, with {gpt.config.num_classes} classes")
     floor = (args.num_samples if args.fd_floor is None else args.fd_floor) if features else 0
     if dataset in ("fashion", "emoji"):
         try:
@@ -107,9 +119,7 @@ def cmd_eval(args) -> int:
         except (FashionDataError, EmojiDataError) as e:
             notes.append(f"{dataset} data not available ({e}); falling back to the dense model's samples")
             print(f"arsparse eval: warning: {notes[-1]}", file=sys.stderr)
-    if features and args.classifier:
-        classifier = load_classifier(args.classifier)
-    elif features and dataset in CLASSIFIER_FILES:
+    if features and classifier is None and dataset in CLASSIFIER_FILES:
         try:
             classifier = load_classifier(dataset=dataset)
         except FileNotFoundError as e:

@@ -50,6 +50,7 @@ def _decode_loop(gpt, cond, tokens, policy, graphs: bool) -> torch.Tensor:
     gen = Generator(gpt, device=p.device, dtype=p.dtype, cuda_graphs=False, compile=False, policy=policy)
     cond, tokens = torch.as_tensor(cond).to(gen.device), tokens.to(gen.device)
     gpt.check_cond(cond, allow_null=True)
+    gpt.check_tokens(tokens, cond.shape[0])  # (the steps would broadcast, or index past the cache or the vocabulary)
     B, T = tokens.shape
     run = _Runner(gen.gpt, _Plan(B, False, 0, False), gen.device, False, gen.kernel, policy=gen.policy)
     logits = torch.empty(B, gpt.config.vocab_size, dtype=p.dtype, device=gen.device)  # the step's static output

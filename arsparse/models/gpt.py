@@ -326,6 +326,28 @@ class GPT(nn.Module):
             if cond.dim() != 3 or tuple(cond.shape[1:]) != want or not cond.is_floating_point():
                 raise ValueError(f"t2i condition must be float caption features (B, {want[0]}, {want[1]}), got {cond.dtype} {tuple(cond.shape)}")
 
+    def check_tokens(self, tokens: torch.Tensor, batch: int) -> None:
+        """Raise a clear ValueError for teacher-forced tokens the model cannot take: a (batch, T) integer
+        tensor with 1 <= T <= image_tokens and ids in [0, vocab_size).
+
+        The id check waits for the device: for the entry points that take the caller's tokens
+        (:meth:`logits`, :meth:`loss`, a policy's teacher forcing), never for a decode step.
+        """
+        cfg = self.config
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            got = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a (B, T) integer tensor, got {got}")
+        B, T = tokens.shape
+        if B != batch:
+            raise ValueError(f"{batch} conditions for {B} token rows: give one condition per row of tokens")
+        if not 1 <= T <= cfg.image_tokens:
+            raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns (the model's image tokens), got {T}")
+        if tokens.numel():
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # (one wait for the device)
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"token ids must be in [0, {cfg.vocab_size}) (the model's vocabulary), got "
+                                 f"{lo if lo < 0 else hi} (the ids range over [{lo}, {hi}])")
+
     def null_cond(self, cond: torch.Tensor) -> torch.Tensor:
         """The unconditional counterpart of ``cond`` used by classifier-free guidance."""
         if self.config.model_type == "c2i":
@@ -394,18 +416,12 @@ class GPT(nn.Module):
         """
         cfg = self.config
         self.check_cond(cond, allow_null=True)
+        self.check_tokens(tokens, cond.shape[0])
         mask = check_prompt_mask(prompt_mask, cond.shape[0], cfg.cls_token_num, cfg.model_type)
         if policy is not None:
             from ..policies import resolve
 
             return resolve(policy).prepare(self).teacher_forced_logits(self, cond, tokens, prompt_mask=mask)
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"tokens must be a (B, T) integer tensor, got {tokens.dtype} {tuple(tokens.shape)}")
-        B, T = tokens.shape
-        if B != cond.shape[0]:
-            raise ValueError(f"{cond.shape[0]} conditions for {B} token rows")
-        if not 1 <= T <= cfg.image_tokens:
-            raise ValueError(f"tokens must have 1..{cfg.image_tokens} columns, got {T}")
         h = torch.cat([self.embed_cond(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # (B, P+T-1, dim)
         if self.training and cfg.token_dropout_p and self.fused is None:
             h = F.dropout(h, cfg.token_dropout_p, training=True)

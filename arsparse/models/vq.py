@@ -528,12 +528,12 @@ class VQModel(nn.Module):
         if h * w != n:
             raise ValueError(f"grid {h}x{w} = {h * w} tokens does not match indices with N={n}")
         k = self.config.codebook_size
-        if check_range and (int(indices.min()) < 0 or int(indices.max()) >= k):
+        if check_range and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= k):
             raise ValueError(
                 f"token ids must be in [0, {k}), got range [{int(indices.min())}, {int(indices.max())}]"
             )
         z_q = self.quantize.lookup(indices.long())  # (B, N, D)
-        z_q = z_q.reshape(b, h, w, -1).permute(0, 3, 1, 2)  # (B, D, h, w)
+        z_q = z_q.reshape(b, h, w, z_q.shape[-1]).permute(0, 3, 1, 2)  # (B, D, h, w); B may be 0
         return self.decoder(self.post_quant_conv(z_q))  # (B, C, H, W)
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

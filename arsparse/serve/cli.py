@@ -5,35 +5,30 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cliargs import add_model_args, build_model, finite_float, positive_int
+from ..cliargs import add_model_args, build_model, finite_float, need_extra, positive_int
 
 
 def _need_serve_extra() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import httpx  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"serving needs the serve extra ({e.name} is missing): pip install 'arsparse[serve]'") from None
+    need_extra("serve", "serving needs", "fastapi", "httpx", "prometheus_client", "uvicorn")
 
 
 def _app_from_args(args, max_queue: int = 64):
     from ..bundles import BUNDLES
-    from ..policies import get, parse_args
+    from ..policies import get, parse_args, parse_spec
     from .app import create_app
     from .config import ServeConfig
 
     _need_serve_extra()
-    policy_args = parse_args(args.policy_arg)
-    get(args.policy, **policy_args)  # a bad policy fails before the model loads
+    policy, own = parse_spec(args.policy)  # ("diagonal:rows=2" as generate, eval and bench take it; its settings win)
+    policy_args = {**parse_args(args.policy_arg), **own}
+    get(policy, **policy_args)  # a bad policy fails before the model loads
     config = ServeConfig(max_batch=args.max_batch, kv_memory_gb=args.kv_memory_gb, max_queue=args.max_queue or max_queue,
                          max_images=min(args.max_images, args.max_batch), timeout_s=args.timeout,
                          max_timeout_s=max(args.timeout, 600.0), max_policies=args.max_policies,
                          cuda_graphs=not args.no_cuda_graphs, compile=args.compile, vq_dtype=args.vq_dtype)
     gpt, tok, name, cfg_scale = build_model(args)
     bundle = BUNDLES.get(name)
-    app = create_app(gpt, tok, model_name=name, policy=args.policy, policy_args=policy_args, config=config,
+    app = create_app(gpt, tok, model_name=name, policy=policy, policy_args=policy_args, config=config,
                      device=args.device, dtype=args.dtype, cfg_scale=cfg_scale if args.cfg_scale is None else args.cfg_scale,
                      class_names=bundle.class_names if bundle else None)
     return app, name, gpt
@@ -52,6 +47,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_serve_bench(args) -> int:
+    limit = min(args.max_images, args.max_batch)  # (what the server's requests may ask for: ServeConfig.max_images)
+    if args.n > limit:  # (else every request is refused with 422 and nothing is measured)
+        low = " and ".join(f for f, v in (("--max-images", args.max_images), ("--max-batch", args.max_batch)) if v < args.n)
+        raise ValueError(f"--n {args.n} is more images per request than the server takes: at most {limit} "
+                         f"(--max-images {args.max_images}, --max-batch {args.max_batch}); lower --n or raise {low}")
     _need_serve_extra()
     from .loadgen import serve_bench
 
@@ -72,7 +72,7 @@ def cmd_serve_bench(args) -> int:
           f"({w['finish_batches']} batches, {w['finished_requests']} requests), idle {w['idle_s']:.2f}, "
           f"other {w['other_s']:.2f}; {result['retries']} retries after 429, {result['failures']} failures",
           flush=True)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(result, indent=2, allow_nan=False)  # (strict JSON: serve_bench gives null, never NaN)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
@@ -82,7 +82,8 @@ def cmd_serve_bench(args) -> int:
 
 def _add_server_args(p) -> None:
     add_model_args(p)
-    p.add_argument("--policy", default="dense", help="the server's policy (requests may name another)")
+    p.add_argument("--policy", default="dense", help="the server's policy, optionally with its settings: "
+                   "diagonal:rows=2,band=1 (these win over --policy-arg; requests may name another)")
     p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE", help="its parameters, repeatable")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
@@ -120,7 +121,7 @@ def add_serve_parser(sub) -> None:
     _add_server_args(b)
     b.add_argument("--requests", type=positive_int, default=256, help="timed requests")
     b.add_argument("--concurrency", type=positive_int, default=32, help="clients, each with one request in flight")
-    b.add_argument("--n", type=positive_int, default=1, help="images per request")
+    b.add_argument("--n", type=positive_int, default=1, help="images per request (at most --max-images)")
     b.add_argument("--warmup", type=int, default=None, help="untimed requests first (default: --concurrency)")
     b.add_argument("--client-in-process", action="store_true",
                    help="run the clients in the server's process (default: a process of their own)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import platform
 import threading
@@ -133,7 +134,8 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
     """Start ``app`` on a loopback port, warm it up, then drive ``requests`` requests of ``n`` images
     from ``concurrency`` clients. -> requests/s, images/s, tokens/s, latency percentiles, the largest
     running batch, the worker's time breakdown over the timed part (``worker``), 429 retries and the
-    first few failures, as a JSON-able dict. ``failures``: requests that never got their images.
+    first few failures, as a JSON-able dict (strict JSON: the latency figures are None when no request
+    succeeded). ``failures``: requests that never got their images.
 
     ``client_process``: the clients run in a process of their own (spawned), so that their Python
     work (JSON, base64) does not compete with the server for this process's GIL, as in a deployment.
@@ -162,7 +164,7 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
     failed = [r for r in records if not (r["status"] == 200 and r["images"] == n)]
     lat = [r["latency_s"] for r in ok]
     tokens = gen.config.image_tokens
-    return dict(
+    return _finite(dict(
         model=model, policy=stats["policy"], mode=stats["mode"], device=str(gen.device), dtype=str(gen.dtype),
         gpu=torch.cuda.get_device_name(gen.device) if gen.device.type == "cuda" else None, torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"), host=platform.node(), requests=requests, concurrency=concurrency,
@@ -174,5 +176,18 @@ def serve_bench(app, model: str, requests: int, concurrency: int, n: int = 1, wa
         seconds=elapsed, requests_per_s=len(ok) / elapsed, images_per_s=len(ok) * n / elapsed,
         tokens_per_s=len(ok) * n * tokens / elapsed,
         latency_p50_s=percentile(lat, 50), latency_p90_s=percentile(lat, 90), latency_p99_s=percentile(lat, 99),
-        latency_mean_s=sum(lat) / max(1, len(lat)), max_running_images=stats["max_running_images"], slots=stats["slots"],
-        kv_bytes_capacity=stats["kv_bytes_capacity"], worker=_worker_delta(before["worker"], stats["worker"]))
+        latency_mean_s=sum(lat) / len(lat) if lat else None, max_running_images=stats["max_running_images"],
+        slots=stats["slots"], kv_bytes_capacity=stats["kv_bytes_capacity"],
+        worker=_worker_delta(before["worker"], stats["worker"])))
+
+
+def _finite(obj):
+    """``obj`` with every NaN or infinite float (e.g. the latency percentiles when no request succeeded)
+    as None, so that it is strict JSON (null) rather than Python's bare NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -214,7 +214,8 @@ def _add_opt_args(g) -> None:
     g.add_argument("--steps", type=positive_int)
     g.add_argument("--batch-size", type=positive_int)
     g.add_argument("--lr", type=_positive_float)
-    g.add_argument("--warmup", type=int)
+    g.add_argument("--warmup", type=int, help="steps of linear warm-up to --lr, then cosine decay (default: the "
+                                            "recipe's, cut to a quarter of --steps for a shorter run; at most --steps)")
     g.add_argument("--seed", type=int)
     g.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
     g.add_argument("--ckpt-every", type=positive_int)

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CKPT_NAME", "LOG_NAME", "RESUMABLE_CHANGES", "TrainLoop", "load_optimizer", "log", "lr_at",
-           "out_of_time", "start_clock"]
+__all__ = ["CKPT_NAME", "LOG_NAME", "RECIPE_WARMUP_SHARE", "RESUMABLE_CHANGES", "TrainLoop", "load_optimizer", "log",
+           "lr_at", "out_of_time", "recipe_warmup", "start_clock"]
 
 CKPT_NAME, LOG_NAME = "ckpt.pt", "train_log.json"
 
@@ -41,6 +41,21 @@ CKPT_NAME, LOG_NAME = "ckpt.pt", "train_log.json"
 #: change what is computed). ``steps`` may change too, with a warning (the schedule stretches).
 RESUMABLE_CHANGES = frozenset({"out_dir", "device", "time_limit_s", "ckpt_every", "eval_every", "log_every",
                                "eval_samples", "compile", "progress", "export_dtype", "steps"})
+
+
+#: The most of a run a recipe's warm-up takes: a run of fewer than 4 x the recipe's warm-up steps
+#: (``--steps 10`` against fashion-c2i's 300; any 1000) warms up over a quarter of its steps instead
+#: (2; 250), so that it reaches the peak rate and decays. The recipes' own runs are unchanged, and
+#: a warmup given explicitly is kept as given (and refused above ``steps``).
+RECIPE_WARMUP_SHARE = 0.25
+
+
+def recipe_warmup(kw: dict, overrides: dict) -> None:
+    """Cut the recipe's ``kw["warmup"]`` to :data:`RECIPE_WARMUP_SHARE` of ``kw["steps"]`` unless
+    ``overrides`` gives a warmup, so that a short run reaches the peak learning rate and then decays."""
+    steps = kw.get("steps")
+    if overrides.get("warmup") is None and isinstance(steps, int) and isinstance(kw.get("warmup"), int):
+        kw["warmup"] = min(kw["warmup"], int(steps * RECIPE_WARMUP_SHARE))
 
 
 def lr_at(cfg, step: int) -> float:

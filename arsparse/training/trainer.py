@@ -59,7 +59,8 @@ from ..loading import config_metadata, read_metadata
 from ..models.config import DROPOUT_FIELDS, GPT_PRESETS, GPTConfig, gpt_config
 from ..models.gpt import GPT
 from .distill import DIVERGENCES
-from .loop import CKPT_NAME, LOG_NAME, TrainLoop, atomic_torch_save, lr_at, run_device, start_clock, write_json
+from .loop import (CKPT_NAME, LOG_NAME, TrainLoop, atomic_torch_save, lr_at, recipe_warmup, run_device, start_clock,
+                   write_json)
 
 __all__ = [
     "BEST_NAME",
@@ -394,6 +395,8 @@ def recipe_config(name: str, out_dir: str, **overrides) -> TrainConfig:
 
     A ``preset`` override other than the recipe's drops the recipe's ``dim`` / ``n_layer`` /
     ``n_head`` / ``multiple_of``, so the preset's own sizes apply (then any given overrides).
+    Without a ``warmup`` override the recipe's is cut to a quarter of ``steps`` at most
+    (:func:`~arsparse.training.loop.recipe_warmup`).
     """
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
@@ -403,6 +406,7 @@ def recipe_config(name: str, out_dir: str, **overrides) -> TrainConfig:
         for k in ("dim", "n_layer", "n_head", "multiple_of"):
             kw.pop(k, None)
     kw.update({k: v for k, v in overrides.items() if v is not None})
+    recipe_warmup(kw, overrides)
     return TrainConfig(out_dir=out_dir, **kw)
 
 

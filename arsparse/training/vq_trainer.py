@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..checkpoint import save_safetensors
 from ..loading import config_metadata
 from ..models.vq import VQConfig, VQModel, vq_config
-from .loop import TrainLoop, run_device, start_clock, write_json
+from .loop import TrainLoop, recipe_warmup, run_device, start_clock, write_json
 from .trainer import _DTYPES, RunConfig, _fingerprint, _seed_of, batch_indices
 
 __all__ = ["VQ_CKPT_FORMAT", "VQ_RECIPES", "VQTrainConfig", "VQTrainResult", "export_vq", "train_vq",
@@ -136,11 +136,13 @@ VQ_RECIPES: dict[str, dict[str, Any]] = {
 
 
 def vq_recipe_config(name: str, out_dir: str, **overrides) -> VQTrainConfig:
-    """A :class:`VQTrainConfig` from a named recipe plus overrides (``None`` values are ignored)."""
+    """A :class:`VQTrainConfig` from a named recipe plus overrides (``None`` values are ignored); without a
+    ``warmup`` override the recipe's is cut to a quarter of ``steps`` at most (as :func:`recipe_config`)."""
     if name not in VQ_RECIPES:
         raise ValueError(f"unknown VQ recipe {name!r}; choose one of {', '.join(VQ_RECIPES)}")
     kw = dict(VQ_RECIPES[name])
     kw.update({k: v for k, v in overrides.items() if v is not None})
+    recipe_warmup(kw, overrides)
     return VQTrainConfig(out_dir=out_dir, **kw)
 
 
