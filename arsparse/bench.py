@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .cliargs import finite_float
+from .engine.cache import KERNELS
 from .engine.generator import COMPILE_MODES, Generator
 from .layout import Layout
 from .models.config import GPTConfig, gpt_config
@@ -453,7 +455,21 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--batch sizes must be >= 1 (or max), got {args.batch!r}")
     if args.layers is not None and args.layers < 1:
         raise ValueError(f"--layers must be >= 1, got {args.layers}")
-    if args.out:
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise ValueError(f"--memory-gb must be > 0, got {args.memory_gb}")
+    if args.memory_gb is not None and "max" not in batches:
+        raise ValueError("--memory-gb sets the budget of --batch max; add max to --batch or leave --memory-gb out")
+    kernels = args.kernels.split(",")
+    if not kernels or any(k not in KERNELS for k in kernels):
+        raise ValueError(f"--kernels takes {' or '.join(KERNELS)}, comma-separated; got {args.kernels!r}")
+    if args.llamagen_src:  # (before the timing, not after it)
+        from .reference_sampler import _import_llamagen
+
+        _import_llamagen(args.llamagen_src)
+    if args.out:  # (a .json beside which the .png goes; checked before the timing, as its rows are written)
+        from .checkpoint import check_output_file
+
+        check_output_file(args.out, suffix=".json")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.ring_launch:  # the offset policies' ring kernel, for this run (the launch sweep's candidates)
         from .kernels.triton import ring
@@ -464,7 +480,7 @@ def cmd_bench(args) -> int:
 
         matvec.LAUNCH = matvec.parse_launch(args.matvec_launch)
     variants = tuple(parse_variant(v) for v in args.variant)
-    result = bench(args.preset, args.image_tokens, batches, split_specs(args.policies), args.kernels.split(","),
+    result = bench(args.preset, args.image_tokens, batches, split_specs(args.policies), kernels,
                    cfg_scale=1.0 if args.no_cfg else args.cfg_scale, compile=args.compile or False, memory_gb=args.memory_gb,
                    out=args.out, profile=args.profile, matvec=args.matvec, streams=args.streams, variants=variants,
                    match_budget=args.match_budget, layers=args.layers)
@@ -508,9 +524,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--match-budget", action="store_true",
                    help="each policy with a rho its spec leaves unset keeps the most entries that fit in diagonal's "
                         "memory (as arsparse eval --match-budget)")
-    b.add_argument("--memory-gb", type=float, help="memory budget for --batch max (default: free GPU memory)")
+    b.add_argument("--memory-gb", type=finite_float, help="memory budget for --batch max (default: free GPU memory)")
     b.add_argument("--kernels", default="triton", help="decode attention kernels to compare: torch,triton")
-    b.add_argument("--cfg-scale", type=float, default=4.0)
+    b.add_argument("--cfg-scale", type=finite_float, default=4.0)
     b.add_argument("--no-cfg", action="store_true", help="no classifier-free guidance (half the rows)")
     b.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES, metavar="MODE",
                    help="torch.compile the step before capture (slow to build); MODE: "
@@ -539,5 +555,5 @@ def add_bench_parser(sub) -> None:
                         "slots.KEY (the scored policies' slot kernel: block_n, late_cast 0|1, num_warps, num_stages), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")
     b.add_argument("--llamagen-src", help="a LlamaGen checkout: also time its public sampler at each integer batch")
-    b.add_argument("--out", help="write the JSON here, and beside it a picture of the rows (.png)")
+    b.add_argument("--out", help="write the JSON here (a .json file), and beside it a picture of the rows (.png)")
     b.set_defaults(func=cmd_bench)

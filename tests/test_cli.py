@@ -281,3 +281,23 @@ def test_serve_bench_json_has_null_not_nan_when_every_request_fails():
         assert out[k] is None, k
     text = json.dumps(out, allow_nan=False)  # (raises on NaN or Infinity)
     assert "NaN" not in text and json.loads(text)["latency_p50_s"] is None
+
+
+def test_bench_checks_its_flags_and_output_before_the_timing(tmp_path, capsys):
+    """(On a machine without CUDA these must come before bench's own CUDA check, as --batch's do.)"""
+    (tmp_path / "b.png").write_text("")
+    for argv, msg in [
+        (["--kernels", "triton,foo"], "--kernels takes torch or triton, comma-separated; got 'triton,foo'"),
+        (["--llamagen-src", str(tmp_path / "none")], "has no autoregressive/models/gpt.py"),
+        (["--out", str(tmp_path / "b.png")], "the output must end in .json"),
+        (["--out", "/proc/b.json"], "does not take new files"),
+        (["--batch", "max", "--memory-gb", "0"], "--memory-gb must be > 0, got 0.0"),
+        (["--batch", "8", "--memory-gb", "4"], "--memory-gb sets the budget of --batch max"),
+    ]:
+        assert main(["bench"] + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error:") and msg in err, (argv, err)
+    for argv in (["--cfg-scale", "nan"], ["--memory-gb", "nan"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench"] + argv)
+        assert e.value.code == 2 and "expected a finite number, got 'nan'" in capsys.readouterr().err

@@ -315,3 +315,63 @@ def test_portable_checkpoint_resumes_elsewhere(tmp_path):
     assert res.finished and res.step == 10 and res.history["train"][-1]["step"] == 10
     with pytest.raises(ValueError, match="dtype"):
         T.portable_checkpoint(half.ckpt_path, tmp_path / "c.pt", dtype="int8")
+
+
+def test_cli_refuses_bad_flags_before_the_data(tmp_path, capsys, monkeypatch):
+    """Flags the run would ignore or get wrong, a CUDA device where there is none and an output folder that
+    cannot be written: one-line errors before the data is loaded or tokenised."""
+    from pathlib import Path
+
+    from arsparse.cli import main
+    from arsparse.training import datasets
+
+    def no_data(*a, **k):
+        raise AssertionError("the data was loaded before the flags were checked")
+
+    monkeypatch.setattr(datasets, "load_token_dataset", no_data)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    vq = str(Path(arsparse.__file__).parent / "weights" / "emoji-vq.safetensors")
+    base = ["train", "model", "--steps", "2", "--quiet"]
+    cases = [
+        (["--dataset", "emoji", "--vq", vq, "--hflip"], "--hflip is for palette data sets"),
+        (["--sparse-weight", "0.5"], "--sparse-weight applies only with --sparse-policy"),
+        (["--sparse-policy", "diagonal", "--distill-cfg", "2", "--distill-pool", "512"],
+         "--distill-pool, --distill-cfg apply only with --sparse-loss distill"),
+        (["--out", str(afile)], "is a file, not a folder"),
+        (["--out", "/proc/x"], "does not take new files"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--dataset", "emoji", "--vq", vq, "--device", "cuda"], "CUDA is not available"))
+    # a checkpoint there: refused without --resume, and with another config, as train_gpt would (but before the data)
+    from arsparse.training.trainer import CKPT_FORMAT
+
+    (tmp_path / "old").mkdir()
+    torch.save(dict(format=CKPT_FORMAT, config=dict(lr=123.0)), tmp_path / "old" / "ckpt.pt")
+    cases += [(["--out", str(tmp_path / "old")], "ckpt.pt exists: resume from it"),
+              (["--init-from", str(tmp_path / "none.safetensors")], "--init-from: no weights file at")]
+    for extra, msg in cases:
+        argv = base + extra + ([] if "--out" in extra else ["--out", str(tmp_path / "run")])
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error:") and msg in err and len(err.splitlines()) == 1, (argv, err)
+    assert main(base + ["--out", str(tmp_path / "old"), "--resume"]) == 2
+    err = capsys.readouterr().err  # (the error lists each setting that differs, a line each)
+    assert "ckpt.pt was made with another config" in err and "lr: checkpoint 123.0" in err, err
+
+
+def test_train_tokenizer_checks_its_output_and_checkpoint_before_the_data(tmp_path, capsys, monkeypatch):
+    from arsparse.cli import main
+    from arsparse.data import emoji
+
+    def no_data(*a, **k):
+        raise AssertionError("the data was loaded before the output was checked")
+
+    monkeypatch.setattr(emoji, "load_emoji", no_data)
+    (tmp_path / "old").mkdir()
+    torch.save(dict(format="arsparse-vq-train/1", config={}), tmp_path / "old" / "ckpt.pt")
+    base = ["train", "tokenizer", "--dataset", "emoji", "--steps", "2", "--quiet", "--out"]
+    for out, msg in (("/proc/x", "does not take new files"), (str(tmp_path / "old"), "ckpt.pt exists: resume from it")):
+        assert main(base + [out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("arsparse: error:") and msg in err, err

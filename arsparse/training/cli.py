@@ -89,11 +89,24 @@ def _distill_cfg(args, recipe: str) -> float | None:
     return BUNDLES[recipe].cfg_scale if recipe in BUNDLES else None
 
 
+def _check_sparse_flags(args, cfg) -> None:
+    """Refuse the sparse-aware and distillation flags where the run has no use for them (not ignore them)."""
+    for needs, on, flags in (("--sparse-policy POLICY", cfg.sparse_policy is not None,
+                              ("sparse_weight", "sparse_loss", "sparse_mix")),
+                             ("--sparse-loss distill", cfg.sparse_loss == "distill",
+                              ("distill_pool", "distill_cfg", "distill_divergence"))):
+        given = ["--" + f.replace("_", "-") for f in flags if getattr(args, f) is not None]
+        if given and not on:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with {needs}")
+
+
 def cmd_train_model(args) -> int:
+    from ..checkpoint import check_output_file
     from ..loading import load_vq
     from ..tokenizers import vq_file_config
     from .datasets import DATASETS, load_token_dataset, make_tokenizer
-    from .trainer import RECIPES, recipe_config, train_gpt
+    from .loop import check_resumable, run_device
+    from .trainer import MODEL_NAME, RECIPES, load_checkpoint, recipe_config, train_gpt
 
     ds = DATASETS[args.dataset]
     recipe = RECIPES[ds.recipe]
@@ -107,11 +120,13 @@ def cmd_train_model(args) -> int:
     else:
         if args.levels is not None:
             raise ValueError(f"--levels is for palette data sets; {ds.name!r} is tokenised by a VQ (--vq)")
+        if args.hflip:  # (a VQ's codes of a mirrored image are not its codes mirrored)
+            raise ValueError(f"--hflip is for palette data sets; {ds.name!r} is tokenised by a VQ (--vq)")
         vq = _vq_path(ds, args.vq)
         if not vq.is_file():
             raise FileNotFoundError(f"VQ tokenizer {vq} not found: train it first with "
                                     f"`arsparse train tokenizer --dataset {ds.name}` (or give --vq PATH)")
-        tokenizer = load_vq(vq).to(device)
+        tokenizer = load_vq(vq)  # (on the CPU until the config has checked the device)
         tok_cfg = vq_file_config(vq)
         side = ds.image_size // tokenizer.downsample
         grid = dict(grid_h=side, grid_w=side)
@@ -128,6 +143,13 @@ def cmd_train_model(args) -> int:
         distill_divergence=args.distill_divergence,
         **_dropouts(args), **grid,
     )
+    _check_sparse_flags(args, cfg)
+    check_output_file(Path(cfg.out_dir) / MODEL_NAME)  # (a file in the folder's place, /proc: refused before the data)
+    # (as train_gpt would find them, but before the data, whose first tokenising can take minutes)
+    if check_resumable(cfg, args.resume, load_checkpoint) is None and cfg.init_from and not Path(cfg.init_from).is_file():
+        raise FileNotFoundError(f"--init-from: no weights file at {cfg.init_from}")
+    if ds.tokenizer_kind != "palette":  # (a CUDA device where there is none: refused here, not as a traceback)
+        tokenizer = tokenizer.to(run_device(cfg))
     tokens, labels, val_tokens, val_labels = load_token_dataset(args.dataset, tokenizer, root=args.data_root)
     result = train_gpt(cfg, tokens, labels, val_tokens, val_labels, resume=args.resume,
                        stop_after=args.stop_after, started_at=_T0)
@@ -160,7 +182,7 @@ def cmd_train_tokenizer(args) -> int:
 
 
 def _train_vq(args, ds) -> int:
-    from .vq_trainer import train_vq, vq_recipe_config
+    from .vq_trainer import load_vq_checkpoint, train_vq, vq_recipe_config
 
     cfg = vq_recipe_config(
         ds.tokenizer_recipe, args.out or str(Path("out") / ds.tokenizer_recipe), ch=args.ch,
@@ -169,8 +191,12 @@ def _train_vq(args, ds) -> int:
         compile=True if args.compile else None, time_limit_s=args.time_limit, ckpt_every=args.ckpt_every,
         eval_every=args.eval_every, eval_samples=args.eval_samples, device=args.device or _default_device(),
         progress=not args.quiet)
+    from ..checkpoint import check_output_file
     from ..data.emoji import load_emoji
+    from .loop import check_resumable
 
+    check_output_file(Path(cfg.out_dir) / f"{cfg.name}.safetensors")  # (these as train_vq would, before the data)
+    check_resumable(cfg, args.resume, load_vq_checkpoint)
     images, _ = load_emoji("train", cache_dir=args.data_root, fetch=True)
     val, _ = load_emoji("test", cache_dir=args.data_root)
     r = train_vq(cfg, images, val, resume=args.resume, stop_after=args.stop_after, started_at=_T0)

@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["CKPT_NAME", "LOG_NAME", "RECIPE_WARMUP_SHARE", "RESUMABLE_CHANGES", "TrainLoop", "load_optimizer", "log",
-           "lr_at", "out_of_time", "recipe_warmup", "start_clock"]
+__all__ = ["CKPT_NAME", "LOG_NAME", "RECIPE_WARMUP_SHARE", "RESUMABLE_CHANGES", "TrainLoop", "check_resumable",
+           "load_optimizer", "log", "lr_at", "out_of_time", "recipe_warmup", "start_clock"]
 
 CKPT_NAME, LOG_NAME = "ckpt.pt", "train_log.json"
 
@@ -56,6 +56,28 @@ def recipe_warmup(kw: dict, overrides: dict) -> None:
     steps = kw.get("steps")
     if overrides.get("warmup") is None and isinstance(steps, int) and isinstance(kw.get("warmup"), int):
         kw["warmup"] = min(kw["warmup"], int(steps * RECIPE_WARMUP_SHARE))
+
+
+def check_resumable(cfg, resume: bool, load: Callable[[Path], dict]) -> dict | None:
+    """The checkpoint in ``cfg.out_dir`` that a run of ``cfg`` would resume, checked (None if there is none).
+
+    ``resume=False`` refuses an existing checkpoint, and one made with another config is refused: both
+    before any data is read, when a command calls this first (:meth:`TrainLoop.resume` calls it too).
+    """
+    p = Path(cfg.out_dir) / CKPT_NAME
+    if not p.exists():
+        return None
+    if not resume:
+        raise FileExistsError(f"{p} exists: resume from it (resume=True / --resume) or choose another out_dir")
+    ckpt = load(p)
+    # fields the checkpoint lacks (it was made before they existed) count as their defaults
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+    diff = config_diff({**defaults, **ckpt["config"]}, cfg.to_dict())
+    if diff:
+        lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"{p} was made with another config; resume with the same settings "
+                         f"or choose another out_dir:\n{lines}")
+    return ckpt
 
 
 def lr_at(cfg, step: int) -> float:
@@ -186,20 +208,11 @@ class TrainLoop:
         resume with the same {same}").
         """
         p, cfg = self.ckpt_path, self.cfg
-        if not p.exists():
+        ckpt = check_resumable(cfg, resume, load)
+        if ckpt is None:
             if resume:
                 self.log(f"no checkpoint at {p}: starting from step 0")
             return None
-        if not resume:
-            raise FileExistsError(f"{p} exists: resume from it (resume=True / --resume) or choose another out_dir")
-        ckpt = load(p)
-        # fields the checkpoint lacks (it was made before they existed) count as their defaults
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
-        diff = config_diff({**defaults, **ckpt["config"]}, cfg.to_dict())
-        if diff:
-            lines = "\n".join(f"  {k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"{p} was made with another config; resume with the same settings "
-                             f"or choose another out_dir:\n{lines}")
         if ckpt["data_id"] != self.data_id:
             raise ValueError(f"{p} was trained on other {data} (fingerprint {ckpt['data_id'][:12]}, "
                              f"now {self.data_id[:12]}); resume with the same {same}")

@@ -116,8 +116,8 @@ else
   run_args="--init-from /tmp/shipped.safetensors --steps $STEPS --lr $LR --warmup $(( STEPS < 200 ? 0 : 50 ))"
 fi
 $PY -m arsparse.cli train model --dataset $ds $vq --device $DEVICE --out $FT_DIR $run_args \
-  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-mix $MIX --sparse-loss $LOSS --distill-pool $POOL \
-  --distill-divergence $DIVERGENCE --batch-size $BATCH \
+  --sparse-policy "$POLICY" --sparse-weight $WEIGHT --sparse-mix $MIX --sparse-loss $LOSS \
+  $([ $LOSS = distill ] && echo --distill-pool $POOL --distill-divergence $DIVERGENCE || true) --batch-size $BATCH \
   --eval-every $(( (STEPS + 3) / 4 )) --eval-samples $EVAL_SAMPLES --time-limit $TRAIN_S --quiet > $OUT/train.txt 2>&1 \
   || { echo "train failed:"; tail -3 $OUT/train.txt; exit 1; }
 echo "train: $(( $(date +%s) - t0 )) s"; tail -3 $OUT/train.txt; cp $FT_DIR/train_log.json $OUT/ 2>/dev/null || true
