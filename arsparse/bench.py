@@ -460,7 +460,7 @@ def cmd_bench(args) -> int:
     if args.memory_gb is not None and "max" not in batches:
         raise ValueError("--memory-gb sets the budget of --batch max; add max to --batch or leave --memory-gb out")
     kernels = args.kernels.split(",")
-    if not kernels or any(k not in KERNELS for k in kernels):
+    if any(k not in KERNELS for k in kernels):
         raise ValueError(f"--kernels takes {' or '.join(KERNELS)}, comma-separated; got {args.kernels!r}")
     if args.llamagen_src:  # (before the timing, not after it)
         from .reference_sampler import _import_llamagen

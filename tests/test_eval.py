@@ -483,11 +483,8 @@ def test_eval_refuses_a_classifier_of_another_data_set(tmp_path, monkeypatch, ca
     before the held-out data are read (its accuracy and features would say nothing about this model)."""
     import importlib
 
-    from arsparse.bundles import BUNDLES
     from arsparse.eval.classifier import CLASSIFIER_FILES
 
-    if not BUNDLES["fashion-c2i"].available:
-        pytest.skip("fashion-c2i weights not installed")
     evaluate_mod = importlib.import_module("arsparse.eval.evaluate")  # (arsparse.eval.evaluate is also a function)
     monkeypatch.setattr(evaluate_mod, "fashion_heldout", lambda *a, **k: pytest.fail("the work started"))
     emoji = CLASSIFIER_FILES["emoji"]

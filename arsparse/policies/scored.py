@@ -114,9 +114,6 @@ class ScoredPolicy(Policy):
         """Token by token through the evicting cache: the same computation as decoding."""
         from ..engine.generator import Generator
 
-        cond = torch.as_tensor(cond)
-        gpt.check_cond(cond, allow_null=True)
-        gpt.check_tokens(tokens, cond.shape[0])  # (the decode steps would broadcast one row of either)
         p = next(gpt.parameters())
         gen = Generator(gpt, device=p.device, dtype=p.dtype, cuda_graphs=False, compile=False, policy=self)
         return gen.cached_logits(cond, tokens, prompt_mask=prompt_mask)

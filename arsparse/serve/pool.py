@@ -81,13 +81,11 @@ class SchedulerPool:
                 sched = self._live.get(key)
                 if sched is not None:  # (built by the request before this one)
                     return self._queue(key, sched, job)
-                try:
-                    policy = get(key[0], **args)
-                    policy.check(self.gpt.layout)  # before closing an idle pool for it
-                except TypeError as e:
-                    raise PolicyError(f"{key[0]}: bad parameter type ({e})") from None
-                self._make_room()
             try:
+                policy = get(key[0], **args)
+                policy.check(self.gpt.layout)  # before closing an idle pool for it
+                with self._lock:
+                    self._make_room()
                 sched = self._create(policy)
             except TypeError as e:
                 raise PolicyError(f"{key[0]}: bad parameter type ({e})") from None
