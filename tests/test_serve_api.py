@@ -1,4 +1,5 @@
 """The HTTP API on a tiny model: round trip, every kind of bad input, the OpenAPI fuzz, the page, the CLI."""
+import json
 import os
 import shutil
 import socket
@@ -210,6 +211,31 @@ def test_a_body_too_large_gets_413_and_a_stalled_one_408():
         app.state.pool.close()
     with pytest.raises(ValueError, match="max_body_bytes must be a positive integer or None"):
         make_app(gpt, tok, max_body_bytes=0)
+
+
+def test_malformed_http_gets_a_json_400_that_says_what_was_wrong():
+    """Framing the app never sees (uvicorn answers it): a bad request line, a Content-Length that is not
+    a number, a header without a colon. Each gets a 400 in JSON, as the API's own errors, and the server
+    goes on answering."""
+    from arsparse.serve.loadgen import ServerThread
+
+    gpt, tok = tiny_model()
+    with ServerThread(make_app(gpt, tok)) as srv:
+        for raw, why in ((b"GARBAGE\r\n\r\n", "illegal request line"),
+                         (b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", "content-length"),
+                         (b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", "header")):
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
+                sock.sendall(raw)
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 "), answer
+            assert b"content-type: application/json" in head.lower(), head
+            detail = json.loads(body)["detail"]
+            assert detail.startswith("malformed HTTP request (") and why in detail.lower(), detail
+            assert "POST /v1/generate" in detail
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_guidance_on_a_model_without_a_null_class_is_refused():

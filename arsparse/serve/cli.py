@@ -42,7 +42,9 @@ def cmd_serve(args) -> int:
     sched = app.state.pool.default
     print(f"arsparse: serving {name} on http://{args.host}:{args.port} (policy {sched.name}, {sched.mode} batching, "
           f"{sched.slots} slots, {sched.gen.device}); docs at /docs, page at /", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    from .http_errors import JsonErrorH11Protocol
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=JsonErrorH11Protocol)
     return 0
 
 

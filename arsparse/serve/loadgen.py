@@ -12,6 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 import httpx
 import uvicorn
 
+from .http_errors import JsonErrorH11Protocol
+
 
 class ServerThread:
     """uvicorn serving ``app`` on ``host`` (loopback by default) in a background thread.
@@ -21,7 +23,8 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                                    http=JsonErrorH11Protocol))
         self.thread = threading.Thread(target=self.server.run, name="arsparse-uvicorn", daemon=True)
         self.host = host
 
