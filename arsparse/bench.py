@@ -66,7 +66,6 @@ class Variant:
     dense: dict = field(default_factory=dict)  # dense split kernel LAUNCH keys
     matvec: dict = field(default_factory=dict)  # matvec kernel LAUNCH keys
     slots: dict = field(default_factory=dict)  # slot-table kernel (scored policies) LAUNCH keys
-    split: dict = field(default_factory=dict)  # two half batches' overlap (engine/split.py OVERLAP keys)
 
 
 _SWITCHES = ("pdl", "w13")  # (the variant settings that are 0 or 1)
@@ -77,9 +76,7 @@ def parse_variant(spec: str) -> Variant:
     -> a checked Variant."""
     from .kernels.triton import decode, matvec, ring, slots
 
-    from .engine import split
-
-    kw, given = {}, {"ring": {}, "matvec": {}, "dense": {}, "slots": {}, "split": {}}  # given: kernel -> {key: value text}
+    kw, given = {}, {"ring": {}, "matvec": {}, "dense": {}, "slots": {}}  # given: kernel -> {key: value text}
     for item in filter(None, (t.strip() for t in spec.split(","))):
         key, sep, value = (t.strip() for t in item.partition("="))
         kernel, dot, name = key.partition(".")
@@ -94,18 +91,12 @@ def parse_variant(spec: str) -> Variant:
                              f"{', '.join(k + '=0|1' for k in _SWITCHES)}, "
                              f"ring.KEY=VALUE ({', '.join(sorted(ring.LAUNCH_KEYS))}), matvec.KEY=INT "
                              f"({', '.join(sorted(matvec.LAUNCH))}), dense.KEY=INT ({', '.join(sorted(decode.LAUNCH))}), "
-                             f"slots.KEY=INT ({', '.join(sorted(slots.LAUNCH))}), split.KEY=0|1 "
-                             f"({', '.join(sorted(split.OVERLAP))}; with streams=2)")
+                             f"slots.KEY=INT ({', '.join(sorted(slots.LAUNCH))})")
     if kw.get("streams", 1) not in (1, 2) or any(kw.get(k, 0) not in (0, 1) for k in _SWITCHES):
         raise ValueError(f"variant streams must be 1 or 2, {', '.join(_SWITCHES)} 0 or 1, got {spec!r}")
     if given["ring"]:  # checked by the kernels' own parsers
         parsed = ring.parse_launch(",".join(f"{k}={v}" for k, v in given["ring"].items()))
         kw["ring"] = {k: parsed[k] for k in given["ring"]}
-    if given["split"]:
-        bad = {k: v for k, v in given["split"].items() if k not in split.OVERLAP or v not in ("0", "1")}
-        if bad:
-            raise ValueError(f"split variant settings are {', '.join(sorted(split.OVERLAP))}, each 0 or 1, got {bad}")
-        kw["split"] = {k: int(v) for k, v in given["split"].items()}
     for name, module in (("matvec", matvec), ("dense", decode), ("slots", slots)):
         if given[name]:
             if not all(v.isdigit() for v in given[name].values()):
@@ -118,15 +109,12 @@ def parse_variant(spec: str) -> Variant:
 @contextmanager
 def _applied(variant: Variant):
     """The kernels' module settings as ``variant`` says, restored afterwards."""
-    from .engine import split
     from .kernels.triton import _pdl, decode, matvec, ring, slots
     from .models import gpt
 
-    saved = (dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), dict(slots.LAUNCH), dict(split.OVERLAP),
-             _pdl.ENABLED, gpt.MERGE_FFN)
+    saved = dict(ring.LAUNCH), dict(matvec.LAUNCH), dict(decode.LAUNCH), dict(slots.LAUNCH), _pdl.ENABLED, gpt.MERGE_FFN
     ring.LAUNCH, matvec.LAUNCH = {**ring.LAUNCH, **variant.ring}, {**matvec.LAUNCH, **variant.matvec}
     decode.LAUNCH, slots.LAUNCH = {**decode.LAUNCH, **variant.dense}, {**slots.LAUNCH, **variant.slots}
-    split.OVERLAP = {**split.OVERLAP, **variant.split}
     if variant.pdl is not None:
         _pdl.ENABLED = variant.pdl
     if variant.w13 is not None:
@@ -134,7 +122,7 @@ def _applied(variant: Variant):
     try:
         yield
     finally:
-        ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, slots.LAUNCH, split.OVERLAP, _pdl.ENABLED, gpt.MERGE_FFN = saved
+        ring.LAUNCH, matvec.LAUNCH, decode.LAUNCH, slots.LAUNCH, _pdl.ENABLED, gpt.MERGE_FFN = saved
 
 
 def _median_seconds(run, reps: int = 10) -> float:

@@ -341,16 +341,10 @@ def test_masked_t2i_engine_on_gpu(policy):
     assert torch.equal(graphed.sample_tokens(cond, seed=4, prompt_mask=full), graphed.sample_tokens(cond, seed=4))
 
 
-@pytest.mark.parametrize("policy,compile,overlap", [(None, False, {}), ("diagonal", True, {}),
-                                                    (None, False, dict(priority=1, stagger=1)),
-                                                    ("diagonal", True, dict(priority=1)), ("h2o", False, dict(stagger=1))])
-def test_two_streams_in_one_graph_give_the_same_images_on_gpu(policy, compile, overlap, monkeypatch):
+@pytest.mark.parametrize("policy,compile", [(None, False), ("diagonal", True)])
+def test_two_streams_in_one_graph_give_the_same_images_on_gpu(policy, compile):
     """streams=2: two half batches captured into one CUDA graph on two streams (fp32, Triton kernels;
-    compiled blocks too; attention on side streams of lower priority, the second half started after the
-    first's first attention) sample one runner's tokens."""
-    from arsparse.engine import split
-
-    monkeypatch.setattr(split, "OVERLAP", dict(split.OVERLAP, **overlap))
+    compiled blocks too) sample one runner's tokens."""
     model = random_gpt("c2i", seed=15, image_tokens=64, n_kv_head=2)
     cond = random_cond(model, 6)
     make = lambda s: Generator(model, device="cuda", dtype="fp32", kernel="triton", policy=policy,  # noqa: E731
@@ -359,8 +353,6 @@ def test_two_streams_in_one_graph_give_the_same_images_on_gpu(policy, compile, o
     gen = make(2)
     assert torch.equal(gen.sample_tokens(cond, seed=3, cfg_scale=2.0), one)
     assert gen._runner.graph is not None and len(gen._runner.halves) == 2
-    assert all("attend" not in vars(r.cache) for r in gen._runner.halves)  # the side streams were for the capture
-    assert torch.equal(gen.sample_tokens(cond, seed=3, cfg_scale=2.0), one)  # the graph replayed again
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-3), ("bf16", 3e-2)])

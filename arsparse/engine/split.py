@@ -18,14 +18,6 @@ import torch
 
 from .generator import _Plan, _Runner, _Stepping, step_buffers
 
-#: How the two halves share the GPU (``arsparse bench --variant split.priority=1,split.stagger=1``):
-#: ``priority``: each half's attention runs on a low-priority stream of its own and everything else on a
-#: high-priority one (the graph keeps the streams' priorities: PyTorch instantiates it with per-node
-#: priorities), so a half's matrix products get SMs ahead of the other half's waiting attention blocks;
-#: ``stagger``: the second half starts once the first half has issued its first attention, so the two
-#: do not run the same kind of kernel in lockstep.
-OVERLAP = dict(priority=0, stagger=0)
-
 
 class SplitRunner(_Stepping):
     """A runner of ``plan.batch >= 2`` images as two half :class:`_Runner` s whose buffers are halves of
@@ -66,43 +58,13 @@ class SplitRunner(_Stepping):
     def _capture(self) -> None:
         for r in self.halves:
             r.warm_up()
-        priority, stagger = OVERLAP["priority"], OVERLAP["stagger"]
-        streams = [torch.cuda.Stream(priority=-5 if priority else 0) for _ in self.halves]  # (-5: the highest)
-        first = torch.cuda.Event()  # recorded when the first half issues its first attention
-        patched = [r for i, r in enumerate(self.halves) if priority or (stagger and i == 0)]
-        for r in patched:
-            r.cache.attend = _aside(r.cache.attend, torch.cuda.Stream(priority=0) if priority else None,
-                                    first if stagger and r is self.halves[0] else None)
+        streams = [torch.cuda.Stream() for _ in self.halves]
         self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph):
-                main = torch.cuda.current_stream()
-                for i, (r, stream) in enumerate(zip(self.halves, streams)):  # fork: each half on its own stream
-                    stream.wait_stream(main)
-                    if i and stagger:
-                        stream.wait_event(first)
-                    with torch.cuda.stream(stream):
-                        r.decode_step()
-                for stream in streams:  # join
-                    main.wait_stream(stream)
-        finally:
-            for r in patched:
-                del r.cache.attend  # (the class's method again: prefill and eager steps as before)
-
-
-def _aside(attend, side: torch.cuda.Stream | None, mark: torch.cuda.Event | None):
-    """``attend`` run on ``side`` (forked from and joined back to the calling stream; None: on the calling
-    stream), recording ``mark`` on the calling stream before its first call."""
-    def run(*args, **kw):
-        main = torch.cuda.current_stream()
-        if mark is not None and not getattr(run, "marked", False):
-            mark.record(main)
-            run.marked = True
-        if side is None:
-            return attend(*args, **kw)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            out = attend(*args, **kw)
-        main.wait_stream(side)
-        return out
-    return run
+        with torch.cuda.graph(self.graph):
+            main = torch.cuda.current_stream()
+            for r, stream in zip(self.halves, streams):  # fork: each half on its own stream
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    r.decode_step()
+            for stream in streams:  # join
+                main.wait_stream(stream)

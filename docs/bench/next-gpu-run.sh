@@ -12,7 +12,6 @@
 #   bash docs/bench/next-gpu-run.sh d   # batch 1: the dense split kernel's tiles and splits (31 s, run 29)
 #   bash docs/bench/next-gpu-run.sh p   # batch 1: the projections with weights through TMA boxes (run 30)
 #   bash docs/bench/next-gpu-run.sh f   # batch 1: the feed-forward in one launch, w2's reduction split (run 32)
-#   bash docs/bench/next-gpu-run.sh o   # batch 256: two half batches on streams of two priorities, staggered (run 36)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
@@ -31,13 +30,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, t, b, c, r, l, d, p, f or o} in
-o)  # batch 256: the two half batches' overlap (engine/split.py OVERLAP), its GPU test first (run 36)
-  timeout 150 python3 -m pytest -q -rf --tb=short tests/test_cuda.py -k two_streams > "$OUT/test_cuda_o.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_cuda_o.txt" | tail -8
-  B 420 --image-tokens 576 --batch 256 --compile --policies "dense;diagonal" --out "$OUT/b256-576-overlap.json" \
-    --variant streams=2 --variant streams=2,split.priority=1 --variant streams=2,split.stagger=1 \
-    --variant streams=2,split.priority=1,split.stagger=1 | grep "|" ;;
+case ${1:?s, a, t, b, c, r, l, d, p or f} in
 f)  # batch 1: GPT-XL's feed-forward as one launch (atomics into fp32) against the engine's two (run 32)
   timeout 450 python3 docs/bench/ffn_fused.py --check --out "$OUT/ffn_fused.json" 2>&1 | grep --line-buffered -v Warn ;;
 p)  # batch 1: GPT-XL's projections, the engine's kernel against cuBLAS and TMA-streamed weights (run 30)
@@ -79,5 +72,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, t, b, c, r, l, d, p, f or o, got $1"; exit 2 ;;
+*) echo "part s, a, t, b, c, r, l, d, p or f, got $1"; exit 2 ;;
 esac
