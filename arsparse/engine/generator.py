@@ -17,20 +17,11 @@ from tqdm.auto import tqdm
 from ..models.gpt import GPT
 from ..prompt_mask import check_prompt_mask
 from .cache import KERNELS, DenseKVCache, default_kernel
-from .sampling import guide, row_key, sample
 
-# torch.compile settings for the blocks, by name (the step is captured in our own CUDA graphs, so none
-# of the modes that capture graphs themselves). "gemm-autotune": Inductor times cuBLAS against its
-# Triton matrix-product templates for each product shape and keeps the faster one, with nothing
-# fused into a template's loads (the fused RMSNorm is what made "max-autotune-no-cudagraphs" lose:
-# BENCHMARKS run 9).
-COMPILE_SETTINGS = {
-    "default": dict(mode="default"),
-    "max-autotune-no-cudagraphs": dict(mode="max-autotune-no-cudagraphs"),
-    "gemm-autotune": dict(options={"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON",
-                                   "prologue_fusion": False, "triton.enable_persistent_tma_matmul": True}),
-}
-COMPILE_MODES = tuple(COMPILE_SETTINGS)
+# torch.compile modes for the blocks (the step is captured in our own CUDA graphs, so none of
+# the modes that capture graphs themselves)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+from .sampling import guide, row_key, sample
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -308,8 +299,7 @@ class Generator:
         :meth:`GPT.fuse`) and the sampling, before the step is captured; attention stays on
         ``kernel``. Fewer, fused kernels per step: what batch 1 needs (default: off). A string is
         the compile mode of the blocks, one of :data:`COMPILE_MODES` (``True`` is ``"default"``;
-        ``"max-autotune-no-cudagraphs"`` also tries Triton matmuls with the element-wise work fused in;
-        ``"gemm-autotune"`` times cuBLAS against Triton for each matrix product, nothing fused into it).
+        ``"max-autotune-no-cudagraphs"`` also tries Triton matmuls with the element-wise work fused in).
     compile_dynamic : bool, optional
         Compile the blocks for any number of rows (symbolic batch sizes) rather than one program
         per shape: for continuous batching, whose steps and prefills come in many sizes (the
@@ -355,7 +345,7 @@ class Generator:
         if self._compile_step:
             allow_recompiles()
         if self.compile:
-            self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, **COMPILE_SETTINGS[mode]))
+            self.gpt.fuse(partial(torch.compile, dynamic=bool(compile_dynamic), fullgraph=True, mode=mode))
         elif matvec:
             from ..models.matvec_blocks import halves
 

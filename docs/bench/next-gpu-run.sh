@@ -6,7 +6,6 @@
 #   bash docs/bench/next-gpu-run.sh t   # the kernel tests on the GPU (244 s in run 24)
 #   bash docs/bench/next-gpu-run.sh b   # each policy at its largest batch, 576 and 1,024 tokens (229 s, run 25)
 #   bash docs/bench/next-gpu-run.sh c   # every policy at batch 256 in one process (ran in run 23: 58-93 s)
-#   bash docs/bench/next-gpu-run.sh g   # batch 256: cuBLAS products against Inductor's per-shape autotuned pick
 #   bash docs/bench/next-gpu-run.sh s   # the slot kernel's settings: sweep, then h2o and headkv in whole steps
 #   bash docs/bench/next-gpu-run.sh r   # the remainder entry: its GPU tests, then its step at batch 256 (93 s, run 25)
 #   bash docs/bench/next-gpu-run.sh l   # batch 1: the step outside the blocks, and the matvec kernel's warps (78 s, run 29)
@@ -31,13 +30,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, t, b, c, g, r, l, d, p or f} in
-g)  # batch 256: the products through cuBLAS (--compile) against Inductor's per-shape pick of cuBLAS or Triton
-  B 150 --image-tokens 576 --batch 256 --compile --profile --policies "dense;diagonal" \
-    --out "$OUT/b256-576-default.json" | grep "|"
-  B 420 --image-tokens 576 --batch 256 --compile gemm-autotune --profile --policies "dense;diagonal" \
-    --out "$OUT/b256-576-gemm-autotune.json" > "$OUT/gemm-autotune.log"
-  grep -A4 "AUTOTUNE" "$OUT/gemm-autotune.log" | head -60; grep "|" "$OUT/gemm-autotune.log" ;;
+case ${1:?s, a, t, b, c, r, l, d, p or f} in
 f)  # batch 1: GPT-XL's feed-forward as one launch (atomics into fp32) against the engine's two (run 32)
   timeout 450 python3 docs/bench/ffn_fused.py --check --out "$OUT/ffn_fused.json" 2>&1 | grep --line-buffered -v Warn ;;
 p)  # batch 1: GPT-XL's projections, the engine's kernel against cuBLAS and TMA-streamed weights (run 30)
@@ -79,5 +72,5 @@ b)
   B 280 --image-tokens 576 --batch max --compile --match-budget --policies "dense;diagonal;streaming" \
     --out "$OUT/max576.json" | grep "|"
   B 300 --image-tokens 1024 --batch max --compile --policies "dense;diagonal" --out "$OUT/max1024.json" | grep "|" ;;
-*) echo "part s, a, t, b, c, g, r, l, d, p or f, got $1"; exit 2 ;;
+*) echo "part s, a, t, b, c, r, l, d, p or f, got $1"; exit 2 ;;
 esac
