@@ -17,11 +17,11 @@ from tqdm.auto import tqdm
 from ..models.gpt import GPT
 from ..prompt_mask import check_prompt_mask
 from .cache import KERNELS, DenseKVCache, default_kernel
+from .sampling import guide, row_key, sample
 
 # torch.compile modes for the blocks (the step is captured in our own CUDA graphs, so none of
 # the modes that capture graphs themselves)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-from .sampling import guide, row_key, sample
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
