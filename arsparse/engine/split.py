@@ -8,7 +8,9 @@ other's matrix products. The images are those of one runner up to float rounding
 its own sampling key and the halves are separate sequences, but a half's kernels may split their
 sums differently (a split-KV kernel chooses its splits by the rows; cuBLAS its tiles), which can
 flip a near-tied token. (``arsparse bench --profile`` profiles eager steps: the halves one after the
-other, not overlapped.)
+other, not overlapped.) Measured (BENCHMARKS runs 19, 36 and 38): the halves' kernels do run side by side, but
+beside each other they run longer (the products' kernel time more than doubles), so at batch 256 this is
+slower than one runner; it stays off by default.
 """
 from __future__ import annotations
 
