@@ -550,7 +550,8 @@ def add_bench_parser(sub) -> None:
                         "process (compiled once); repeatable. Keys: streams, pdl (0 or 1: programmatic dependent launch), "
                         "w13 (0 or 1: with --compile, each block's w1 and w3 as one matrix product), "
                         "ring.KEY (as --ring-launch), matvec.KEY (as --matvec-launch), dense.KEY (the dense split "
-                        "kernel: block_n, small_block_n, num_warps, num_stages, small_splits, dot, small_dot and "
+                        "kernel: block_n, small_block_n, num_warps, num_stages, small_splits, programs (0: one per "
+                        "row, kv head and split; N: N programs that take those in turn), dot, small_dot and "
                         "prefetch 0|1), "
                         "slots.KEY (the scored policies' slot kernel: block_n, late_cast 0|1, num_warps, num_stages), "
                         "e.g. 'ring.early_loads=1,pdl=1' or 'dense.block_n=64,dense.prefetch=1'")

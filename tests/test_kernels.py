@@ -42,13 +42,16 @@ def _same(got: list, want: list) -> None:
 @pytest.mark.parametrize("launch,dtype", [
     ({}, torch.float32), (dict(dot=0, small_dot=0), torch.float32), (DOT, torch.float32), (DOT, torch.bfloat16),
     (DOT, torch.float16), (dict(prefetch=1, dot=0, small_dot=0, block_n=16, small_block_n=16), torch.float32),
-    (dict(DOT, prefetch=1, block_n=16, small_block_n=16), torch.bfloat16)],
-    ids=["engine", "cuda-cores", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16"])
+    (dict(DOT, prefetch=1, block_n=16, small_block_n=16), torch.bfloat16), (dict(programs=3), torch.float32),
+    (dict(DOT, programs=5), torch.bfloat16)],
+    ids=["engine", "cuda-cores", "dot", "dot-bf16", "dot-fp16", "prefetch-16", "prefetch-dot-bf16", "persistent-3",
+         "persistent-dot-bf16"])
 def test_decode_attention_writes_and_matches_reference(poisoned_empty, monkeypatch, B, H, Hkv, S, D, pos, splits, launch,
                                                        dtype):
     """``launch``: decode.LAUNCH settings: ``dot``/``small_dot``, the products on tensor cores (the engine's
     defaults take them for shapes that fill the GPU only); ``prefetch``, the next tile loaded before the
-    current one is read (16-key tiles: many passes, a last partial one)."""
+    current one is read (16-key tiles: many passes, a last partial one); ``programs``, a grid of 3 programs
+    (fewer than every case's (row, kv head, split) triples) or 5 that take the triples in turn."""
     from arsparse.kernels.triton import decode
 
     monkeypatch.setattr(decode, "LAUNCH", dict(decode.LAUNCH, **launch))
@@ -106,6 +109,7 @@ def test_dense_launch_settings_parse_and_reject_bad_ones():
 
     assert decode.parse_launch('{"block_n": 64, "prefetch": 1}') == dict(decode.LAUNCH, block_n=64, prefetch=1)
     assert decode.parse_launch("{}") == decode.LAUNCH
+    assert decode.parse_launch('{"programs": 66}')["programs"] == 66
     for text, msg in (("block_n=64", "must be a JSON object"), ('{"warps": 2}', r"keys from \['block_n'"),
                       ('{"block_n": 48}', "block_n=48 is invalid: must be a power of 2 >= 16"),
                       ('{"small_block_n": 8}', "power of 2 >= 16"), ('{"num_warps": 32}', "1, 2, 4, 8 or 16"),

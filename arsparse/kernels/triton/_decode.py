@@ -77,9 +77,10 @@ def decode_split_kernel(
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
     so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
     S, scale, chunk, D, P,
+    n_rows, n_kv, n_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
     HAS_SPAN: tl.constexpr, PDL: tl.constexpr = False, DOT: tl.constexpr = False, IEEE: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
 ):
     """One (row, kv head, split): the G query heads of the group over cache[start, start + chunk) up to pos.
 
@@ -93,12 +94,36 @@ def decode_split_kernel(
     BENCHMARKS run 11.) ``DOT``: the products on tensor cores (BLOCK_G >= 16; see :func:`_attend_tile`),
     positions in 32 bits. ``PREFETCH``: each pass of the loop issues the next tile's loads before it
     reduces the current tile (two tiles in registers), so loads and arithmetic overlap.
+    ``PERSISTENT``: a 1-D grid of fewer programs than (row, kv head, split) triples, each taking triples
+    ``pid, pid + programs, ...`` in the order of the 3-D grid (rows fastest), so that the kernel holds
+    only part of the GPU (n_rows, n_kv, n_splits: the triples' extents; unused otherwise).
     """
     launch_next(PDL)
     wait_prior(PDL)
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    sp = tl.program_id(2)
+    if PERSISTENT:
+        for w in range(tl.program_id(0), n_rows * n_kv * n_splits, tl.num_programs(0)):
+            _split_work(Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT, sq_b, sq_h, skn_b, skn_h, svn_b,
+                        svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+                        S, scale, chunk, D, P, w % n_rows, (w // n_rows) % n_kv, w // (n_rows * n_kv),
+                        G, BLOCK_G, BLOCK_N, BLOCK_D, DIRECT, HAS_SPAN, DOT, IEEE, PREFETCH)
+    else:
+        _split_work(Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                    sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos, so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+                    S, scale, chunk, D, P, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                    G, BLOCK_G, BLOCK_N, BLOCK_D, DIRECT, HAS_SPAN, DOT, IEEE, PREFETCH)
+
+
+@triton.jit
+def _split_work(
+    Q, KN, VN, K, V, POS, SPAN, O_PART, M_PART, L_PART, OUT,
+    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, spos,
+    so_b, so_h, so_s, sm_b, sm_h, sout_b, sout_h,
+    S, scale, chunk, D, P,
+    b, hk, sp,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_SPAN: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """The split kernel's work for one (row ``b``, kv head ``hk``, split ``sp``)."""
     pos = tl.load(POS + b * spos)
     if DOT:  # (32-bit positions: the dot build's loop 973 -> 701 instructions. Not in the default form: there
         pos = pos.to(tl.int32)  # ptxas then interleaves each load with its use, 31 % slower on the H200, run 13)

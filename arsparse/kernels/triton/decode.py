@@ -24,7 +24,11 @@ from .settings import parse_tile_launch
 #: 1.263, run 23 at 2f1368a: removed.) ``small_splits``: at most this many splits below one pair per SM (0: as
 #: :func:`choose_splits` picks; 1: one program per (row, head), no combine launch; run 29 on an H100, batch 1
 #: dense: 1.238-1.531 ms with 128- or 256-key tiles against the engine's 1.170; 32-key tiles 1.278).
-LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0, small_splits=0)
+#: ``programs``: at most this many programs (0: one per (row, kv head, split)), each taking triples in turn,
+#: so that the kernel holds part of the GPU and leaves the rest to work beside it (two half batches'
+#: products: run 39 found the kernel keeping 97 % of its bandwidth on half the SMs; not yet timed in a step).
+LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num_stages=3, prefetch=0, small_splits=0,
+              programs=0)
 
 
 def parse_launch(text: str) -> dict:
@@ -32,7 +36,7 @@ def parse_launch(text: str) -> dict:
     powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1, ``small_splits`` an
     int >= 0). For ``arsparse bench --variant dense.KEY=VALUE``."""
     return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"),
-                             counts=("small_splits",))
+                             counts=("small_splits", "programs"))
 
 
 def sm_count(device: torch.device) -> int:
@@ -174,7 +178,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_d = max(16 if dot else 1, triton.next_power_of_2(D))  # (tensor-core products: 16 rows and
     block_g = max(16 if dot else 1, triton.next_power_of_2(G))  # columns at least)
     scale = D**-0.5 if scale is None else scale
-    decode_split_kernel[(B, Hkv, splits)](
+    triples = B * Hkv * splits
+    persistent = 0 < LAUNCH["programs"] < triples
+    decode_split_kernel[(LAUNCH["programs"],) if persistent else (B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, pos, pos if prompt_span is None else prompt_span,
         o_part, m_part, l_part, out,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -182,9 +188,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         v_cache.stride(2), spos,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), m_part.stride(0), m_part.stride(1),
         out.stride(0), out.stride(1),
-        S, scale, chunk, D, prompt_len,
+        S, scale, chunk, D, prompt_len, B, Hkv, splits,
         G=G, BLOCK_G=block_g, BLOCK_N=bn, BLOCK_D=block_d, DIRECT=direct, HAS_SPAN=prompt_span is not None,
-        DOT=dot, IEEE=dot and q.dtype == torch.float32, PREFETCH=bool(LAUNCH["prefetch"]), **pdl_args(q.device),
+        DOT=dot, IEEE=dot and q.dtype == torch.float32, PREFETCH=bool(LAUNCH["prefetch"]), PERSISTENT=persistent,
+        **pdl_args(q.device),
         num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"],
     )
     if not direct:
