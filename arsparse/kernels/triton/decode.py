@@ -33,8 +33,8 @@ LAUNCH = dict(block_n=64, small_block_n=64, dot=1, small_dot=0, num_warps=2, num
 
 def parse_launch(text: str) -> dict:
     """``'{"block_n": 64, "prefetch": 1}'`` -> :data:`LAUNCH` with those settings (block sizes and warps
-    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1, ``small_splits`` an
-    int >= 0). For ``arsparse bench --variant dense.KEY=VALUE``."""
+    powers of 2, tiles of 16 keys at least, ``dot``, ``small_dot`` and ``prefetch`` 0 or 1, ``small_splits`` and
+    ``programs`` ints >= 0). For ``arsparse bench --variant dense.KEY=VALUE``."""
     return parse_tile_launch(text, LAUNCH, "dense launch", switches=("dot", "small_dot", "prefetch"),
                              counts=("small_splits", "programs"))
 
