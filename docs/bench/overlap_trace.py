@@ -5,8 +5,9 @@ knowing whether the halves' kernels overlapped at all. This traces a few CUDA-gr
 step (torch.profiler, CUPTI kernel records) for one runner and for two halves, and reports, per step:
 the attention kernels' and the matrix products' GPU time, the wall time during which some attention
 kernel and some product kernel were running at once (from the records' start and end times, whatever
-stream a record names: a graph's kernels may all be reported on the stream it was launched on), and
-the time during which two or more kernels of any kind ran at once.
+stream a record names; on the H100 of run 38 they named the streams captured in the graph), and the
+time during which two or more kernels of any kind ran at once. ``--variant`` adds settings (as
+``arsparse bench --variant``) to the two runs every call traces, one runner and two halves.
 
     PYTHONPATH=. python3 docs/bench/overlap_trace.py --out $OUT/overlap.json
 """
@@ -47,6 +48,7 @@ def union(iv: list) -> list:
 
 
 def length(iv: list) -> float:
+    """Summed lengths (overlaps counted each time: union first for wall time)."""
     return sum(e - s for s, e in iv)
 
 
@@ -104,11 +106,9 @@ def trace(run, cond, steps: int) -> dict:
     span = max(e for _, e in allk) - min(s for s, _ in allk)
     per = 1e3 * steps  # us over `steps` -> ms per step
     return dict(
-        ms_per_step=e0.elapsed_time(e1) / 20, kernels=len(kernels) // steps, trace_streams=sorted({e["args"].get("stream") for e in kernels}),
-        wall_ms=span / per, attention_ms=sum(e - s for s, e in iv["attention"]) / per,
-        products_ms=sum(e - s for s, e in iv["products"]) / per,
-        other_ms=sum(e - s for s, e in iv["other"]) / per,
-        busy_ms=length(union(allk)) / per,
+        ms_per_step=e0.elapsed_time(e1) / 20, kernels=len(kernels) // steps,
+        trace_streams=sorted({e["args"].get("stream") for e in kernels}), wall_ms=span / per,
+        **{f"{k}_ms": length(v) / per for k, v in iv.items()}, busy_ms=length(union(allk)) / per,
         attention_with_products_ms=intersect(iv["attention"], iv["products"]) / per,
         two_or_more_ms=concurrent(allk) / per)
 
@@ -149,9 +149,9 @@ def main() -> None:
           "| 2+ kernels at once |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {r['variant']} | {r['ms_per_step']:.3f} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | {r['attention_ms']:.3f} | "
-              f"{r['products_ms']:.3f} | {r['other_ms']:.3f} | {r['attention_with_products_ms']:.3f} | "
-              f"{r['two_or_more_ms']:.3f} |")
+        print(f"| {r['policy']} | {r['variant']} | {r['ms_per_step']:.3f} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | "
+              f"{r['attention_ms']:.3f} | {r['products_ms']:.3f} | {r['other_ms']:.3f} | "
+              f"{r['attention_with_products_ms']:.3f} | {r['two_or_more_ms']:.3f} |")
 
 
 if __name__ == "__main__":
