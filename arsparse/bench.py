@@ -540,7 +540,8 @@ def add_bench_parser(sub) -> None:
                         "beside the other's matrix products)")
     b.add_argument("--ring-launch", metavar="KEY=VALUE,...",
                    help="settings of the offset policies' ring kernel for this run (rows_per_program, late_cast, "
-                        "heads_first, early_loads, merged, num_warps, num_stages; see docs/bench/kernel-sweep.sh), "
+                        "heads_first, early_loads, merged, programs (0: one per row block and head; N: N programs that "
+                        "take those in turn), num_warps, num_stages; see docs/bench/kernel-sweep.sh), "
                         "recorded in the JSON")
     b.add_argument("--matvec-launch", metavar="JSON",
                    help="settings of the --matvec kernel for this run, a JSON object with keys of its LAUNCH "

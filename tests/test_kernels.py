@@ -321,11 +321,13 @@ def test_ring_kernel_offsets_past_int32_read_nothing(poisoned_empty, launch):
 
 ROW_BLOCKS = [dict(late_cast=True, num_warps=2), dict(rows_per_program=2, num_stages=2),
               dict(rows_per_program=3, late_cast=True), dict(rows_per_program=8, num_warps=4),
-              dict(rows_per_program=3, heads_first=True), dict(rows_per_program=3, merged=False, late_cast=True)]
+              dict(rows_per_program=3, heads_first=True), dict(rows_per_program=3, merged=False, late_cast=True),
+              dict(rows_per_program=2, programs=5), dict(rows_per_program=3, heads_first=True, programs=4)]
 
 
 @pytest.mark.parametrize("launch", ROW_BLOCKS, ids=["late", "rows2", "rows3-late", "rows8", "rows3-heads-first",
-                                                    "rows3-three-tiles-late"])
+                                                    "rows3-three-tiles-late", "rows2-programs5",
+                                                    "rows3-heads-first-programs4"])
 @pytest.mark.parametrize("B,H,Hkv,P,S,W,D,dtype", [
     (4, 6, 6, 1, 2, 12, 64, torch.float32),  # MHA, 6 heads: blocks of 4 and 5 leave a part-block
     (3, 8, 2, 5, 3, 9, 32, torch.bfloat16),  # GQA 4: blocks of 3 and 5 span kv heads and their writers
@@ -390,6 +392,37 @@ def test_dense_kernel_compiles_for_hopper():
                        dict(O_PART="*fp32", M_PART="*fp32", L_PART="*fp32", OUT="*bf16"), combine)
 
 
+@pytest.mark.parametrize("programs,heads_first", [(1, False), (3, True), (7, False), (40, False)])
+def test_ring_kernel_programs_take_every_row_block_and_head(poisoned_empty, monkeypatch, programs, heads_first):
+    """launch programs=N: a grid of N programs (fewer than the 2 x 5 (row block, head) pairs; 40 is more,
+    so the 2-D grid) that take the pairs in turn, each pair's output and its new token written once,
+    as the reference's, with the remainder sums updated in the kernel."""
+    from arsparse.kernels.triton import ring
+
+    B, H, P, S, W, D = 3, 5, 2, 2, 9, 32
+    grids = []
+    kernel = ring.ring_decode_kernel
+    monkeypatch.setattr(ring, "ring_decode_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or kernel[grid]})())
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    offsets = random_offsets(g, H, 6, W)
+    pos = row_positions(g, B, P, P + 4 * W, [P + S, P + 4 * W])
+    inputs, _ = random_ring_case(B, H, H, P, S, W, D, offsets, pos, torch.float32, int(pos.sum()), DEVICE)
+    sums = [torch.randn(B, H, D, generator=g).mul_(5) for _ in range(2)]
+    past = (pos - P >= S).to(torch.float32)[:, None, None]  # (B, 1, 1)
+    want_sums = [sums[0] + inputs[1].cpu() * past, sums[1] + inputs[2].cpu() * past]
+    bufs = [t.cpu().clone() for t in inputs[3:9]]
+    want = ring_decode_attention_ref(*[t.cpu() for t in inputs[:3]], *bufs, offsets, pos, S, rest_sums=want_sums)
+    got_sums = [t.clone().to(DEVICE) for t in sums]
+    got = ring_decode_attention(*inputs, S, rest_sums=got_sums, update_sums=True,
+                                launch=dict(programs=programs, heads_first=heads_first, rows_per_program=2))
+    assert grids == [(programs,) if programs < 10 else ((H, 2) if heads_first else (2, H))]
+    torch.testing.assert_close(got.cpu(), want, **TOL)
+    _same([t.cpu() for t in inputs[3:9]], bufs)
+    for t, w in zip(got_sums, want_sums):
+        torch.testing.assert_close(t.cpu(), w, **TOL)
+
+
 def test_ring_launch_settings_parse_and_reject_bad_ones():
     from arsparse.kernels.triton import ring
 
@@ -398,9 +431,11 @@ def test_ring_launch_settings_parse_and_reject_bad_ones():
     assert ring.parse_launch("") == ring.LAUNCH and ring.parse_launch("late_cast=0")["late_cast"] is False
     for text, msg in (("rows=2", r"unknown ring launch settings \['rows'\]"), ("num_warps=3", "1, 2, 4, 8 or 16"),
                       ("num_warps", "KEY=VALUE"), ("late_cast=yes", "late_cast takes 1, 0, true or false"),
-                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1")):
+                      ("rows_per_program=two", "takes an integer"), ("rows_per_program=0", "an int >= 1"),
+                      ("programs=-1", "programs=-1 is invalid: must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             ring.parse_launch(text)
+    assert ring.parse_launch("programs=264")["programs"] == 264
 
 
 def test_merged_ring_tile_alignment_is_the_common_power_of_two_of_addresses_and_strides():
@@ -678,6 +713,12 @@ RING_BUILDS = {  # constexprs and warps of the builds the compile check makes (t
     "rest-pdl-early": (dict(G=2, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True, LATE_CAST=False,
                             HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16), 1,
                        PDL_PTX + ["ld.global before wait >= 200"]),
+    "engine-pdl-persistent": (dict(G=1, ROWS=1, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=False,
+                                   LATE_CAST=False, HEADS_FIRST=False, PDL=True, EARLY=True, MERGED=True, ALIGN=16,
+                                   HAS_ROPE=True, PERSISTENT=True), 1, PDL_PTX + ["ld.global before wait >= 200"]),
+    "rows3-heads-first-persistent": (dict(G=2, ROWS=3, BLOCK_P=1, BLOCK_D=64, HAS_SPAN=False, HAS_REST=True,
+                                          LATE_CAST=False, HEADS_FIRST=True, MERGED=True, ALIGN=16,
+                                          PERSISTENT=True), 1),
 }
 
 

@@ -15,6 +15,7 @@
 #   bash docs/bench/next-gpu-run.sh v   # batch 256: how long the two half batches' kernels overlap (run 38)
 #   bash docs/bench/next-gpu-run.sh gc  # attention and products on green contexts' SM partitions (run 39)
 #   bash docs/bench/next-gpu-run.sh pa  # NOT RUN YET: dense's split kernel on fewer programs, with and without streams=2
+#   bash docs/bench/next-gpu-run.sh pr  # NOT RUN YET: the same for diagonal's ring kernel (ring.programs)
 # (park arsparse/weights/*.safetensors: the tree must stay under 64 MiB). TLIM=N cuts a or t at N s.
 # A call returns at most 8 files from $OUT (two folders down): an eval sweep writes 4, so one sweep a
 # call, or copy only the .md and .json of each.
@@ -33,7 +34,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 B() { timeout "$1" python3 -m arsparse.cli bench "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\|s/it\|batch/s\|s/batch"; }
-case ${1:?s, a, t, b, c, r, l, d, p, f, v, gc or pa} in
+case ${1:?s, a, t, b, c, r, l, d, p, f, v, gc, pa or pr} in
 v)  # batch 256: do two half batches' kernels run side by side? kernel records of graph replays (run 38;
     # TRACE_ARGS: e.g. '--policies diagonal --variant streams=2,ring.rows_per_program=16')
   timeout 500 python3 docs/bench/overlap_trace.py --out "$OUT/overlap.json" $TRACE_ARGS 2>&1 | grep -v "Warn\|^{" ;;
@@ -43,6 +44,13 @@ pa)  # batch 256, dense: the split kernel on fewer programs (dense.programs) bes
   B 420 --image-tokens 576 --batch 256 --compile --policies dense --out "$OUT/b256-576-programs.json" \
     --variant dense.programs=396 --variant streams=2 --variant streams=2,dense.programs=264 \
     --variant streams=2,dense.programs=396 --variant streams=2,dense.programs=528 | grep "|" ;;
+pr)  # batch 256, diagonal: the ring kernel on fewer programs (ring.programs; 2,560 (row, head) pairs a half
+    # batch; 528 = 8 one-warp programs on each of half an H100's SMs) beside the other half's products
+  timeout 120 python3 -m pytest -q -rf --tb=short tests/test_kernels.py -k "programs and ring" \
+    > "$OUT/test_cuda_pr.txt" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/test_cuda_pr.txt" | tail -5
+  B 420 --image-tokens 576 --batch 256 --compile --policies diagonal --out "$OUT/b256-576-ring-programs.json" \
+    --variant ring.programs=528 --variant streams=2 --variant streams=2,ring.programs=264 \
+    --variant streams=2,ring.programs=528 --variant streams=2,ring.programs=1056 | grep "|" ;;
 gc)  # half a batch-256 step's attention and products on two green contexts' SMs, alone and at once (run 39)
   timeout 300 python3 docs/bench/green_split.py --out "$OUT/green.json" 2>&1 | grep -v Warn ;;
 f)  # batch 1: GPT-XL's feed-forward as one launch (atomics into fp32) against the engine's two (run 32)

@@ -46,6 +46,7 @@ BUILDS = {
     "ring-three-tiles": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, MERGED=False), 1, 3),
     "ring-rope-in-block": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, HAS_ROPE=False), 1, 3),
     "ring-remainder": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, HAS_REST=True, ADD_NEW=True), 1, 3),
+    "ring-persistent": ("_ring", "ring_decode_kernel", _RING_PTR, dict(_RING, PERSISTENT=True), 1, 3),
     "dense": ("_decode", "decode_split_kernel", _DENSE_PTR, _DENSE, 2, 3),
     "dense-64-prefetch": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_N=64, PREFETCH=True), 2, 3),
     "dense-64": ("_decode", "decode_split_kernel", _DENSE_PTR, dict(_DENSE, BLOCK_N=64), 2, 3),

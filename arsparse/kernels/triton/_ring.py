@@ -268,12 +268,12 @@ def ring_decode_kernel(
     Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
     sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
     sout_b, sout_h, ssum_b, ssum_h,
-    B, P, S, W, n_off, scale, D,
+    B, P, S, W, n_off, scale, D, n_heads,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr,
     LATE_CAST: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
     MERGED: tl.constexpr = False, ALIGN: tl.constexpr = 1, HAS_ROPE: tl.constexpr = False,
-    ADD_NEW: tl.constexpr = False,
+    ADD_NEW: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
 ):
     """One query head of ROWS rows per program: the head's offsets are loaded once, then a loop over
     the rows (pipelined as the launch's ``num_stages`` says) attends, for each row, over the prompt,
@@ -298,11 +298,45 @@ def ring_decode_kernel(
     ``HAS_ROPE``: the query and the new key arrive unrotated (views of the QKV projection's output) and
     are rotated here by ROPE (rows or 1, D/2, 2) (row stride ``srope_b``, 0 when shared); the cache
     gets the rotated key. This takes the step's separate RoPE kernel away (session 19).
+    ``PERSISTENT``: a 1-D grid of fewer programs than (row block, head) pairs, each taking the pairs
+    ``pid, pid + programs, ...`` in the 2-D grid's order (heads fastest with ``HEADS_FIRST``, else row
+    blocks), so that the kernel holds only part of the GPU (``n_heads``: H; unused otherwise). Each
+    pair loads its head's offsets again.
     """
     launch_next(PDL)
     scale = tl.cast(scale, tl.float32)  # (it may arrive as fp64 from torch.compile: no fp64 arithmetic)
-    h = tl.program_id(0 if HEADS_FIRST else 1)
-    block = tl.program_id(1 if HEADS_FIRST else 0)  # the block of ROWS rows
+    if PERSISTENT:
+        n_blocks = tl.cdiv(B, ROWS)
+        for w in range(tl.program_id(0), n_blocks * n_heads, tl.num_programs(0)):
+            if HEADS_FIRST:
+                h, block = w % n_heads, w // n_heads
+            else:
+                h, block = w // n_blocks, w % n_blocks
+            _head_rows(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM, sq_b, sq_h, skn_b,
+                       skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
+                       sout_b, sout_h, ssum_b, ssum_h, B, P, S, W, n_off, scale, D, h, block, G, ROWS, BLOCK_P,
+                       BLOCK_S, BLOCK_O, BLOCK_D, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, MERGED, ALIGN, HAS_ROPE,
+                       ADD_NEW)
+    else:
+        h = tl.program_id(0 if HEADS_FIRST else 1)
+        block = tl.program_id(1 if HEADS_FIRST else 0)  # the block of ROWS rows
+        _head_rows(Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM, sq_b, sq_h, skn_b, skn_h,
+                   svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos, sout_b,
+                   sout_h, ssum_b, ssum_h, B, P, S, W, n_off, scale, D, h, block, G, ROWS, BLOCK_P, BLOCK_S, BLOCK_O,
+                   BLOCK_D, HAS_SPAN, HAS_REST, LATE_CAST, PDL, EARLY, MERGED, ALIGN, HAS_ROPE, ADD_NEW)
+
+@triton.jit
+def _head_rows(
+    Q, KN, VN, ROPE, PK, PV, SK, SV, RK, RV, OFF, POS, SPAN, OUT, KSUM, VSUM,
+    sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, srope_b, sp_b, sp_h, sp_s, ss_b, ss_h, ss_s, sr_b, sr_h, sr_s, so_h, spos,
+    sout_b, sout_h, ssum_b, ssum_h,
+    B, P, S, W, n_off, scale, D,
+    h, block,
+    G: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_SPAN: tl.constexpr, HAS_REST: tl.constexpr, LATE_CAST: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, MERGED: tl.constexpr, ALIGN: tl.constexpr, HAS_ROPE: tl.constexpr, ADD_NEW: tl.constexpr,
+):
+    """The kernel's work for query head ``h`` over rows ``block * ROWS ..`` (see :func:`ring_decode_kernel`)."""
     hk = h // G
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D

@@ -19,14 +19,17 @@ from .decode import check_new_kv, check_offsets_fit, check_prompt_span, check_ro
 #: 1.828 ms, run 12).
 #: ``rotate``: the ring cache hands this kernel q and k unrotated and the step's RoPE table (``rope=``),
 #: taking the step's own RoPE kernel away (session 19; the cache reads this key, the kernel does not).
+#: ``programs``: at most this many programs (0: one per (row block, head)), each taking those pairs in turn,
+#: so that the kernel can hold part of the GPU beside the other half batch's products (``streams=2``).
 LAUNCH = dict(rows_per_program=1, late_cast=False, heads_first=False, early_loads=True, merged=True, num_warps=1,
-              rotate=True)
+              rotate=True, programs=0)
 #: ``merged`` puts a row's prompt, sinks and ring entries in one tile only up to this many rows (or the
 #: ring's own tile size): a long caption prompt keeps its own tile.
 MERGED_ROWS = 64
 _BOOL = (lambda v: isinstance(v, bool), "a bool")
 _VALID = dict(  # setting ``launch=`` may override -> (check, what is allowed)
     rows_per_program=(lambda v: type(v) is int and v >= 1, "an int >= 1"),
+    programs=(lambda v: type(v) is int and v >= 0, "an int >= 0"),
     late_cast=_BOOL,
     heads_first=_BOOL,
     early_loads=_BOOL,
@@ -113,7 +116,8 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
         the cache's dtype until the products), ``heads_first`` (a grid of (heads, row blocks)),
         ``early_loads`` (with PDL: each row's gathers before the wait for the previous kernel),
         ``merged`` (a row's prompt, sinks and ring entries in one tile and one softmax, where that tile has at
-        most :data:`MERGED_ROWS` rows or no more than the ring's alone), ``num_warps``, ``num_stages``
+        most :data:`MERGED_ROWS` rows or no more than the ring's alone), ``programs`` (at most that many
+        programs, each taking (row block, head) pairs in turn; 0: one per pair), ``num_warps``, ``num_stages``
     prompt_span : optional (B, 2) int32, t2i caption padding: row ``b`` reads only prompt positions
         ``[prompt_span[b, 0], prompt_span[b, 1])``, a non-empty range. None: the whole prompt, no extra loads.
     rest_sums : optional (k_sum, v_sum), each (B, Hkv, D) fp32 with a unit last stride: the sums of K
@@ -193,8 +197,10 @@ def ring_decode_attention(q, k_new, v_new, prompt_k, prompt_v, sink_k, sink_v, r
     merged_tile = triton.next_power_of_2(n_off + n_sinks + P)
     merged = cfg.pop("merged") and merged_tile <= max(MERGED_ROWS, ring_tile)
     grid = (H, triton.cdiv(B, rows)) if heads_first else (triton.cdiv(B, rows), H)
-    ring_decode_kernel[grid](
-        *args, B, P, n_sinks, W, n_off, scale, D, G=H // Hkv, ROWS=rows,
+    programs = cfg.pop("programs")
+    persistent = 0 < programs < grid[0] * grid[1]
+    ring_decode_kernel[(programs,) if persistent else grid](
+        *args, B, P, n_sinks, W, n_off, scale, D, H, G=H // Hkv, ROWS=rows, PERSISTENT=persistent,
         BLOCK_O=merged_tile if merged else ring_tile,
         HAS_REST=rest_sums is not None, HAS_ROPE=rope is not None, ADD_NEW=update_sums,
         LATE_CAST=cfg.pop("late_cast"), HEADS_FIRST=heads_first,
