@@ -70,8 +70,9 @@ def cmd_eval(args) -> int:
         raise ValueError("--fd-infinity measures generated images: with --sweep-rho it needs --sweep-frechet")
     if sweeping and args.kid and not args.sweep_frechet:
         raise ValueError("--kid measures generated images: with --sweep-rho it needs --sweep-frechet")
-    if sweeping and args.match_entropy:
-        raise ValueError("--match-entropy applies to the eval, not to --sweep-rho")
+    for flag in ("match_entropy", "match_guidance"):
+        if sweeping and getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} applies to the eval, not to --sweep-rho")
     if not sweeping and args.sweep_frechet:
         raise ValueError("--sweep-frechet needs --sweep-rho")
     if args.fd_floor is not None and args.fd_floor < 0:
@@ -98,7 +99,7 @@ def cmd_eval(args) -> int:
         nll_batch=args.nll_batch, ref_images=args.ref_images,
         grid_images=args.grid_images, device=args.device, dtype=args.dtype, compile=args.compile,
         fd_bootstrap=args.fd_bootstrap, fd_infinity=args.fd_infinity, kid_subsets=args.kid,
-        kid_subset_size=args.kid_subset_size, match_entropy=args.match_entropy,
+        kid_subset_size=args.kid_subset_size, match_entropy=args.match_entropy, match_guidance=args.match_guidance,
         cuda_graphs=False if args.no_cuda_graphs else None)
     dataset = model_dataset(name)
     heldout = classifier = mobilenet = inception = None
@@ -196,6 +197,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--match-entropy", action="store_true",
                    help="sample each policy at the temperature where its guided next-token entropy on the "
                         "teacher-forcing images equals dense's at --temperature (arsparse.eval.entropy)")
+    e.add_argument("--match-guidance", action="store_true",
+                   help="sample each policy at the guidance scale where its guided next-token distribution on the "
+                        "teacher-forcing images is as far (KL) from its unconditional one as dense's at --cfg-scale "
+                        "(arsparse.eval.guidance: a sparse read set leaves the unconditional branch less sure of "
+                        "the class, so the same scale pushes harder); with --match-entropy, temperatures are "
+                        "matched at those scales")
     e.add_argument("--top-k", type=int, default=0)
     e.add_argument("--top-p", type=finite_float, default=1.0)
     e.add_argument("--batch-size", type=positive_int, default=250, help="images per generation batch")

@@ -21,7 +21,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .forcing import forced_logits
+from .forcing import forced_guidance_pairs
 
 __all__ = ["SCALES", "guided_entropy", "solve_scale", "matched_temperatures"]
 
@@ -38,27 +38,22 @@ def guided_entropy(gpt, cond: torch.Tensor, tokens: torch.Tensor, policy, cfg_sc
 
     ``guided = uncond + cfg_scale * (cond - uncond)``, the unconditional logits from the null class, as the
     engine guides every token (:func:`arsparse.engine.sampling.guide`)."""
-    dev = next(gpt.parameters()).device
-    null = gpt.config.num_classes
     total = torch.zeros(len(scales), dtype=torch.float64)
     count = 0
-    for i in range(0, len(tokens), batch):
-        c, t = cond[i : i + batch].to(dev), tokens[i : i + batch].to(dev)
-        lc = forced_logits(gpt, c, t, policy).float()  # (B, N, V)
-        lu = forced_logits(gpt, torch.full_like(c, null), t, policy).float()  # (B, N, V)
+    for lc, lu, n in forced_guidance_pairs(gpt, cond, tokens, policy, batch):
         guided = lu + cfg_scale * (lc - lu)
         del lc, lu
         for j, s in enumerate(scales.tolist()):
             lp = (guided * s).log_softmax(-1)
             total[j] += float(-(lp.exp() * lp).sum(-1).double().sum())
-        count += t.numel()
+        count += n
         if bar is not None:
             bar.update(1)
     return total / count
 
 
 def solve_scale(scales: torch.Tensor, entropy: torch.Tensor, target: float) -> float | None:
-    """The scale at which the (decreasing) ``entropy`` curve over ``scales`` equals ``target``, linearly
+    """The scale at which the monotone ``entropy`` curve (or any such) over ``scales`` equals ``target``, linearly
     interpolated between the two grid points around it; None when ``target`` is outside the curve."""
     s, h = scales.tolist(), entropy.tolist()
     for k in range(len(s) - 1):
@@ -69,10 +64,12 @@ def solve_scale(scales: torch.Tensor, entropy: torch.Tensor, target: float) -> f
     return None
 
 
-def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict, cfg_scale: float,
+def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict, cfg_scale: float | dict,
                          temperature: float, batch: int = 64, progress: bool = False) -> dict[str, dict]:
     """Per policy (``policies`` maps names to policy objects, None = dense): the sampling temperature at which
-    its mean guided entropy on ``tokens`` equals dense's at ``temperature``.
+    its mean guided entropy on ``tokens`` equals dense's at ``temperature``. ``cfg_scale``: one guidance for
+    every policy, or each policy's own ({name: scale}, dense's included: e.g. matched guidance scales,
+    :mod:`~arsparse.eval.guidance`).
 
     Returns ``{name: dict(temperature=T, entropy=H)}``: ``H`` the mean guided entropy (nats per token) at the
     run's temperature, ``T`` the matched one (dense keeps ``temperature``; a policy's entropy at its ``T`` is
@@ -88,7 +85,8 @@ def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies
     names = ["dense"] + [n for n in policies if n != "dense"]
     bar = tqdm(total=len(names) * math.ceil(len(tokens) / batch), desc="entropy match", unit="pass",
                disable=not progress)
-    curves = {n: guided_entropy(gpt, cond, tokens, policies.get(n), cfg_scale, scales, batch, bar) for n in names}
+    guidance = cfg_scale if isinstance(cfg_scale, dict) else dict.fromkeys(names, cfg_scale)
+    curves = {n: guided_entropy(gpt, cond, tokens, policies.get(n), guidance[n], scales, batch, bar) for n in names}
     bar.close()
     target = float(curves["dense"][at_base])
     out = {"dense": dict(temperature=temperature, entropy=target)}

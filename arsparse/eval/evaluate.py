@@ -83,6 +83,10 @@ class EvalConfig:
     ``match_entropy``: sample each policy at the temperature where its guided next-token entropy on the
     teacher-forcing images equals dense's at ``temperature`` (:mod:`~arsparse.eval.entropy`; needs
     ``nll_images``); each row records the temperature it was sampled at.
+    ``match_guidance``: sample each policy at the guidance scale where its guided distribution on those
+    images is as far (KL) from its unconditional one as dense's is at ``cfg_scale``
+    (:mod:`~arsparse.eval.guidance`; needs ``nll_images`` and ``cfg_scale`` > 1); with ``match_entropy``
+    too, each policy's temperature is matched at its matched scale. Each row records its scale.
     """
 
     policies: tuple[str, ...] = DEFAULT_POLICIES
@@ -108,6 +112,7 @@ class EvalConfig:
     kid_subsets: int = 0
     kid_subset_size: int = 1000
     match_entropy: bool = False
+    match_guidance: bool = False
 
     def __post_init__(self):
         self.policies = tuple(self.policies)
@@ -128,8 +133,9 @@ class EvalConfig:
                 raise ValueError(f"{name} must be an integer >= {0 if name == 'kid_subsets' else 2}, got {v!r}")
         if self.fd_infinity and self.num_samples < 8:
             raise ValueError(f"fd_infinity needs num_samples >= 8 (subsets of several sizes), got {self.num_samples}")
-        if not isinstance(self.match_entropy, bool):
-            raise ValueError(f"match_entropy is a bool, got {self.match_entropy!r}")
+        for name in ("match_entropy", "match_guidance"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is a bool, got {getattr(self, name)!r}")
         from ..engine.generator import sampling_rows  # (NaN, negative or non-integral sampling settings: now)
 
         sampling_rows(1, cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale, temperature=self.temperature,
@@ -137,6 +143,10 @@ class EvalConfig:
         if self.match_entropy and (self.nll_images < 1 or not self.temperature > 0):
             raise ValueError("match_entropy measures entropies on the teacher-forcing images at a positive temperature: "
                              f"it needs nll_images >= 1 (got {self.nll_images}) and temperature > 0 (got {self.temperature})")
+        if self.match_guidance and (self.nll_images < 1 or self.cfg_scale is None or not self.cfg_scale > 1):
+            raise ValueError("match_guidance compares guided and unconditional predictions on the teacher-forcing "
+                             f"images: it needs nll_images >= 1 (got {self.nll_images}) and a guidance scale > 1 "
+                             f"(got {self.cfg_scale})")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"policies listed twice: {list(self.policies)}")
         names = set()
@@ -501,11 +511,18 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     if len(bench.nll_tokens):
         forced = teacher_forced_metrics(gpt, bench.nll_cond, bench.nll_tokens, paths, cfg.nll_batch, progress,
                                         graphs=cfg.cuda_graphs)
+    guidance = {}
+    if cfg.match_guidance:
+        from .guidance import matched_guidance
+
+        guidance = matched_guidance(gpt, bench.nll_cond, bench.nll_tokens, paths, cfg.cfg_scale, cfg.nll_batch,
+                                    progress)
+    scales = {n: guidance[n]["cfg_scale"] if guidance else cfg.cfg_scale for n in paths}
     temps = {}
     if cfg.match_entropy:
         from .entropy import matched_temperatures
 
-        temps = matched_temperatures(gpt, bench.nll_cond, bench.nll_tokens, paths, cfg.cfg_scale, cfg.temperature,
+        temps = matched_temperatures(gpt, bench.nll_cond, bench.nll_tokens, paths, scales, cfg.temperature,
                                      cfg.nll_batch, progress)
 
     result = dict(
@@ -528,8 +545,9 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
     kid_metrics = tuple(KERNEL.values()) if cfg.kid_subsets else ()
     for name, pol in prepared.items():
         temperature = temps[name]["temperature"] if temps else cfg.temperature
-        q, grid = sampled_quality(gpt, tokenizer, bench, replace(cfg, temperature=temperature), paths[name],
-                                  f"generate {name}", progress, cfg.grid_images, cfg.fd_bootstrap)
+        sampling = replace(cfg, temperature=temperature, cfg_scale=scales[name], match_guidance=False)  # (<= 1 allowed)
+        q, grid = sampled_quality(gpt, tokenizer, bench, sampling, paths[name], f"generate {name}", progress,
+                                  cfg.grid_images, cfg.fd_bootstrap)
         boot[name] = q.pop("fd_bootstrap", {})
         note_infinity(q.pop("fd_dims", {}), cfg.num_samples, notes, q if name == "dense" else None)
         b = budgets[name]
@@ -541,6 +559,7 @@ def evaluate(gpt, tokenizer, config: EvalConfig, heldout: HeldOut | None = None,
                    **{k: q.get(k) for m in kid_metrics for k in (m, f"{m}_std")},
                    class_accuracy=q["class_accuracy"], generate_s=q["generate_s"], grid=None,
                    temperature=temperature, guided_entropy=temps.get(name, {}).get("entropy"),
+                   cfg_scale=scales[name], guidance_push=guidance.get(name, {}).get("push"),
                    kl_by_row=forced.get(name, {}).get("kl_by_row"))
         if out is not None and grid is not None:
             gpath = out / ("grid-" + re.sub(r"[^\w.-]+", "_", name) + ".png")  # (a spec's ':', '=' and ',' as '_')
@@ -658,6 +677,12 @@ def write_report(result: dict, out_dir) -> None:
                      f"{c['temperature']}): " + ", ".join(
                          f"{r['policy']} {r['temperature']:.3f} (entropy {r['guided_entropy']:.4f} nats at "
                          f"{c['temperature']})" for r in result["rows"]))
+    if c.get("match_guidance"):
+        lines.append("- guidance-matched scales (each policy sampled where its guided next-token distribution on the "
+                     f"{result['nll_images']} teacher-forcing images is as far, in KL, from its unconditional one as "
+                     f"dense's at guidance {c['cfg_scale']}): " + ", ".join(
+                         f"{r['policy']} {r['cfg_scale']:.3f} (KL {r['guidance_push']:.4f} nats at {c['cfg_scale']})"
+                         for r in result["rows"]))
     if c.get("fd_bootstrap"):
         lines.append(f"- Fréchet gaps in brackets: 95 % interval, the gap ± 1.96 standard deviations of the gap over "
                      f"{c['fd_bootstrap']} bootstrap resamples of the generated images, the same rows for dense and the "

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-__all__ = ["forced_logits"]
+__all__ = ["forced_logits", "forced_guidance_pairs"]
 
 
 def _uses_decode_loop(policy) -> bool:
@@ -41,6 +41,20 @@ def forced_logits(gpt, cond: torch.Tensor, tokens: torch.Tensor, policy=None, gr
         except RuntimeError as e:  # capture not supported here: the same loop, eager
             warnings.warn(f"teacher forcing under {policy.name}: CUDA graph capture failed ({e}); running eagerly")
     return _decode_loop(gpt, cond, tokens, policy, graphs=False)
+
+
+@torch.no_grad()
+def forced_guidance_pairs(gpt, cond: torch.Tensor, tokens: torch.Tensor, policy, batch: int):
+    """Teacher-forced (conditional, unconditional) fp32 logits, each (b, N, V), ``batch`` images at a time,
+    under ``policy`` (None = dense): the two halves classifier-free guidance combines, the unconditional
+    from the null class as the engine guides every token. Yields ``(lc, lu, b * N)``."""
+    dev = next(gpt.parameters()).device
+    null = gpt.config.num_classes
+    for i in range(0, len(tokens), batch):
+        c, t = cond[i : i + batch].to(dev), tokens[i : i + batch].to(dev)
+        lc = forced_logits(gpt, c, t, policy).float()  # (b, N, V)
+        lu = forced_logits(gpt, torch.full_like(c, null), t, policy).float()  # (b, N, V)
+        yield lc, lu, t.numel()
 
 
 def _decode_loop(gpt, cond, tokens, policy, graphs: bool) -> torch.Tensor:
