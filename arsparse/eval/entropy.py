@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .forcing import forced_guidance_pairs
 
-__all__ = ["SCALES", "guided_entropy", "solve_scale", "matched_temperatures"]
+__all__ = ["SCALES", "guided_entropy", "solve_scale", "match_on_grid", "matched_temperatures"]
 
 #: Logit scales (1 / temperature) the entropy is measured at: 0.5 .. 2, log-spaced (2.3 % apart).
 SCALES = torch.exp(torch.linspace(math.log(0.5), math.log(2.0), 61, dtype=torch.float64))
@@ -64,6 +64,21 @@ def solve_scale(scales: torch.Tensor, entropy: torch.Tensor, target: float) -> f
     return None
 
 
+def match_on_grid(policies: dict, grid: torch.Tensor, base: float, curve, batches: int, desc: str,
+                  progress: bool) -> dict[str, tuple[float, float | None]]:
+    """For dense and each policy of ``policies`` (names -> policy objects, None = dense), ``curve(name, policy,
+    grid, bar)``: a monotone (S,) curve over ``grid``, which holds ``base`` (``batches`` passes each, counted on
+    ``bar``). Returns ``{name: (its value at base, the grid value where it equals dense's value at base, None
+    where out of reach)}``, dense first."""
+    at_base = int((grid == base).nonzero())
+    names = ["dense"] + [n for n in policies if n != "dense"]
+    bar = tqdm(total=len(names) * batches, desc=desc, unit="pass", disable=not progress)
+    curves = {n: curve(n, policies.get(n), grid, bar) for n in names}
+    bar.close()
+    target = float(curves["dense"][at_base])
+    return {n: (float(c[at_base]), base if n == "dense" else solve_scale(grid, c, target)) for n, c in curves.items()}
+
+
 def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: dict, cfg_scale: float | dict,
                          temperature: float, batch: int = 64, progress: bool = False) -> dict[str, dict]:
     """Per policy (``policies`` maps names to policy objects, None = dense): the sampling temperature at which
@@ -81,20 +96,16 @@ def matched_temperatures(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies
                          "decoding has no entropy to match)")
     base = 1.0 / temperature
     scales = torch.cat([SCALES, torch.tensor([base], dtype=torch.float64)]).unique()  # the run's own scale included
-    at_base = int((scales == base).nonzero())
-    names = ["dense"] + [n for n in policies if n != "dense"]
-    bar = tqdm(total=len(names) * math.ceil(len(tokens) / batch), desc="entropy match", unit="pass",
-               disable=not progress)
-    guidance = cfg_scale if isinstance(cfg_scale, dict) else dict.fromkeys(names, cfg_scale)
-    curves = {n: guided_entropy(gpt, cond, tokens, policies.get(n), guidance[n], scales, batch, bar) for n in names}
-    bar.close()
-    target = float(curves["dense"][at_base])
-    out = {"dense": dict(temperature=temperature, entropy=target)}
-    for n in names[1:]:
-        s = solve_scale(scales, curves[n], target)
+    guidance = cfg_scale if isinstance(cfg_scale, dict) else dict.fromkeys(["dense", *policies], cfg_scale)
+    matched = match_on_grid(policies, scales, base,
+                            lambda n, p, grid, bar: guided_entropy(gpt, cond, tokens, p, guidance[n], grid, batch, bar),
+                            math.ceil(len(tokens) / batch), "entropy match", progress)
+    target = matched["dense"][0]
+    out = {}
+    for n, (h, s) in matched.items():
         if s is None:
-            raise ValueError(f"entropy match: {n}'s guided entropy ({float(curves[n][at_base]):.4f} nats at temperature "
-                             f"{temperature}) does not reach dense's {target:.4f} for any temperature in "
+            raise ValueError(f"entropy match: {n}'s guided entropy ({h:.4f} nats at temperature {temperature}) does "
+                             f"not reach dense's {target:.4f} for any temperature in "
                              f"{1 / float(scales[-1]):.2f}-{1 / float(scales[0]):.2f}")
-        out[n] = dict(temperature=1.0 / s, entropy=float(curves[n][at_base]))
+        out[n] = dict(temperature=temperature if n == "dense" else 1.0 / s, entropy=h)
     return out

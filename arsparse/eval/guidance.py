@@ -19,9 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm.auto import tqdm
 
-from .entropy import solve_scale
+from .entropy import match_on_grid
 from .forcing import forced_guidance_pairs
 
 __all__ = ["RELATIVE_SCALES", "guidance_push", "matched_guidance"]
@@ -63,19 +62,15 @@ def matched_guidance(gpt, cond: torch.Tensor, tokens: torch.Tensor, policies: di
     if not cfg_scale > 1:
         raise ValueError(f"matching guidance needs guided sampling, a guidance scale > 1, got {cfg_scale}")
     grid = torch.cat([RELATIVE_SCALES * cfg_scale, torch.tensor([cfg_scale], dtype=torch.float64)]).unique()
-    at_base = int((grid == cfg_scale).nonzero())
-    names = ["dense"] + [n for n in policies if n != "dense"]
-    bar = tqdm(total=len(names) * math.ceil(len(tokens) / batch), desc="guidance match", unit="pass",
-               disable=not progress)
-    curves = {n: guidance_push(gpt, cond, tokens, policies.get(n), grid, batch, bar) for n in names}
-    bar.close()
-    target = float(curves["dense"][at_base])
-    out = {"dense": dict(cfg_scale=cfg_scale, push=target)}
-    for n in names[1:]:
-        g = solve_scale(grid, curves[n], target)
+    matched = match_on_grid(policies, grid, cfg_scale,
+                            lambda n, p, scales, bar: guidance_push(gpt, cond, tokens, p, scales, batch, bar),
+                            math.ceil(len(tokens) / batch), "guidance match", progress)
+    target = matched["dense"][0]
+    out = {}
+    for n, (push, g) in matched.items():
         if g is None:
-            raise ValueError(f"guidance match: {n}'s guidance push ({float(curves[n][at_base]):.4f} nats at guidance "
-                             f"{cfg_scale:g}) does not reach dense's {target:.4f} for any guidance in "
+            raise ValueError(f"guidance match: {n}'s guidance push ({push:.4f} nats at guidance {cfg_scale:g}) does "
+                             f"not reach dense's {target:.4f} for any guidance in "
                              f"{float(grid[0]):.2f}-{float(grid[-1]):.2f}")
-        out[n] = dict(cfg_scale=g, push=float(curves[n][at_base]))
+        out[n] = dict(cfg_scale=g, push=push)
     return out
