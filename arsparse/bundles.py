@@ -29,6 +29,9 @@ class Bundle:
     Shipped bundles read ``gpt_file`` from :data:`WEIGHTS_DIR`; its safetensors header holds the
     GPT config and the tokenizer description. Random bundles carry their configs and a seed.
     ``cfg_scale`` is the guidance this model is best sampled with; ``class_names`` name its classes.
+    ``policy_cfg_scales``: (policy, guidance) pairs calibrated for a policy at its default settings
+    (``arsparse eval --match-guidance``: the scale at which its guided distribution is as far from its
+    unconditional one as dense's at ``cfg_scale``); :meth:`guidance` picks the one a sampler gets.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Bundle:
     cfg_scale: float = 4.0
     class_names: tuple[str, ...] | None = None
     how_to_get: str = ""
+    policy_cfg_scales: tuple[tuple[str, float], ...] = ()
 
     @property
     def files(self) -> list[str]:
@@ -50,6 +54,10 @@ class Bundle:
     @property
     def available(self) -> bool:
         return all((WEIGHTS_DIR / f).is_file() for f in self.files)
+
+    def guidance(self, policy: str = "dense", policy_args: dict | None = None) -> float:
+        """The guidance ``policy`` (with ``policy_args``) samples with by default (:func:`policy_guidance`)."""
+        return policy_guidance(dict(self.policy_cfg_scales), self.cfg_scale, policy, policy_args)
 
     def gpt_config(self) -> GPTConfig:
         if self.gpt is not None:
@@ -62,7 +70,8 @@ class Bundle:
 BUNDLES: dict[str, Bundle] = {b.name: b for b in [
     Bundle("fashion-c2i", "trained here: Fashion-MNIST, 10 classes, 28x28 one token per pixel (32 grey levels), "
            "17.7M-parameter LlamaGen GPT, fine-tuned for diagonal's read sets",
-           gpt_file="fashion-c2i.safetensors", cfg_scale=2.0, class_names=FASHION_CLASSES),
+           gpt_file="fashion-c2i.safetensors", cfg_scale=2.0, class_names=FASHION_CLASSES,
+           policy_cfg_scales=(("diagonal", 1.697),)),  # (--match-guidance at 2: BENCHMARKS run 40)
     Bundle("emoji-c2i", "trained here: colour emoji (Google + Twitter styles), 18 classes = category x style, "
            "64x64 RGB through a VQ trained here (32x32 = 1024 tokens, 1024 codes), 18.5M-parameter LlamaGen GPT, "
            "fine-tuned for diagonal's read sets",
@@ -78,6 +87,17 @@ BUNDLES: dict[str, Bundle] = {b.name: b for b in [
 ]}
 
 DEFAULT_MODEL = "fashion-c2i"
+
+
+def policy_guidance(scales: dict[str, float], default: float, policy: str, policy_args: dict | None = None) -> float:
+    """``scales[policy]`` (a guidance calibrated for the policy at its default settings) where the
+    arguments leave ``policy`` at those settings, else ``default``."""
+    scale = scales.get(policy)
+    if scale is None or not policy_args:
+        return default if scale is None else scale
+    from .policies import get
+
+    return scale if get(policy, **policy_args).describe() == get(policy).describe() else default
 
 
 def _random_init(module: torch.nn.Module, seed: int) -> None:

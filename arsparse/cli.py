@@ -20,13 +20,18 @@ def cmd_generate(args) -> int:
     from .engine.generator import Generator
     from .tokenizers import save_grid, to_pil
 
-    gpt, tok, _, cfg_scale = build_model(args)
-    cfg_scale = cfg_scale if args.cfg_scale is None else args.cfg_scale
-    cfg = gpt.config
+    from .bundles import BUNDLES
     from .policies import get, parse_args, parse_spec
 
+    gpt, tok, name, cfg_scale = build_model(args)
+    cfg = gpt.config
     policy_name, own = parse_spec(args.policy)  # ("diagonal:rows=2" as eval and bench take it; its settings win)
-    policy = get(policy_name, **{**parse_args(args.policy_arg), **own})
+    policy_args = {**parse_args(args.policy_arg), **own}
+    policy = get(policy_name, **policy_args)
+    if args.cfg_scale is not None:
+        cfg_scale = args.cfg_scale
+    elif name in BUNDLES and not args.gpt_ckpt:  # (a policy's own calibrated guidance, where the bundle has one)
+        cfg_scale = BUNDLES[name].guidance(policy_name, policy_args)
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
                     compile=args.compile, matvec=args.matvec)
     masks, extra = None, {}
@@ -188,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=32)
     g.add_argument("--seed", type=int, default=0, help="image i uses seed+i")
     g.add_argument("--cfg-scale", type=finite_float, default=None,
-                   help="classifier-free guidance, 1 = off (default: the bundle's, 4.0 for checkpoints)")
+                   help="classifier-free guidance, 1 = off (default: the bundle's for the policy, e.g. fashion-c2i: 2, "
+                        "diagonal at its defaults 1.697; 4.0 for checkpoints)")
     g.add_argument("--cfg-interval", type=int, default=-1, help="guide only the first tokens (LlamaGen's; -1 = all)")
     g.add_argument("--temperature", type=finite_float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off, 1 = greedy")

@@ -168,6 +168,25 @@ def test_generate_from_a_trained_file_takes_the_tokenizer_it_names(tmp_path, cap
     assert Image.open(a[0]).tobytes() == Image.open(b[0]).tobytes()
 
 
+def test_generate_samples_a_policy_at_its_bundles_calibrated_guidance(tmp_path, capsys):
+    """fashion-c2i carries a guidance for diagonal at its default settings: generate uses it unless
+    --cfg-scale is given (the same images as that scale given) or the policy's settings change."""
+    from arsparse.bundles import BUNDLES
+
+    b = BUNDLES["fashion-c2i"]
+    calibrated = dict(b.policy_cfg_scales)["diagonal"]
+    common = ["--model", "fashion-c2i", "--classes", "4", "--seed", str(int(torch.randint(0, 1000, ()))),
+              "--device", "cpu", "--quiet"]
+    runs = {"a": ["--policy", "diagonal"], "b": ["--policy", "diagonal", "--cfg-scale", str(calibrated)],
+            "c": ["--policy", "diagonal:rows=2"], "d": ["--policy", "dense"]}
+    for d, extra in runs.items():
+        assert main(["generate", *common, *extra, "--out", str(tmp_path / d)]) == 0, capsys.readouterr().err
+    got = {d: json.loads((tmp_path / d / "generate.json").read_text())["cfg_scale"] for d in runs}
+    assert got == dict(a=calibrated, b=calibrated, c=b.cfg_scale, d=b.cfg_scale) and calibrated != b.cfg_scale
+    pixels = [Image.open(tmp_path / d / "images" / "0000_class4.png").tobytes() for d in "ab"]
+    assert pixels[0] == pixels[1]
+
+
 def test_generate_replaces_the_images_of_an_earlier_run_in_the_same_folder(tmp_path, capsys):
     """A reused --out holds this run's images only (an earlier run made more), and files generate
     did not write are left alone."""

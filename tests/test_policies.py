@@ -522,3 +522,21 @@ def test_evaluations_own_decode_loop_refuses_what_teacher_forcing_refuses():
                         (torch.zeros(2, 17, dtype=torch.long), "1..16 columns .*got 17")]:
         with pytest.raises(ValueError, match=msg):
             forced_logits(gpt, cond, tokens, pol, graphs=False)
+
+
+def test_a_calibrated_guidance_holds_for_its_policy_at_the_default_settings_alone():
+    """bundles.policy_guidance: the policy's own scale when its arguments leave it as `get(name)` makes it
+    (none, or the defaults spelled out), the default scale for any other setting or another policy."""
+    from arsparse.bundles import BUNDLES, policy_guidance
+
+    g, default = (float(x) for x in 1 + 4 * torch.rand(2))
+    defaults = policies.get("diagonal").params()
+    scales = {"diagonal": g}
+    assert policy_guidance(scales, default, "diagonal") == g
+    assert policy_guidance(scales, default, "diagonal", {"rows": defaults["rows"], "band": defaults["band"]}) == g
+    assert policy_guidance(scales, default, "diagonal", {"rows": defaults["rows"] + 1}) == default
+    assert policy_guidance(scales, default, "streaming") == default
+    with pytest.raises(policies.PolicyError, match="unknown parameter"):
+        policy_guidance(scales, default, "diagonal", {"wide": 2})
+    fashion = BUNDLES["fashion-c2i"]
+    assert fashion.guidance("dense") == fashion.cfg_scale and fashion.guidance("diagonal") != fashion.cfg_scale

@@ -485,3 +485,33 @@ def test_image_decoder_precision_is_a_server_setting():
     assert fp32.dtype == torch.float32  # the serving dtype on the CPU
     with pytest.raises(ValueError, match="vq_dtype must be fp32, bf16, fp16 or None"):
         make_app(gpt, vq, vq_dtype="int8")
+
+
+def test_a_policy_with_calibrated_guidance_gets_it_unless_the_request_asks_or_changes_its_settings():
+    """create_app(policy_cfg_scales={policy: g}): a request under that policy at its default settings samples at
+    g, one that changes the settings or gives cfg_scale at the server's scale or its own; /v1/models lists g."""
+    from arsparse.serve import ServeConfig, create_app
+
+    gpt, tok = tiny_model()
+    # (fresh scales far from the server's 2: a random model's cond and uncond logits are close, so a small
+    # change of guidance would often leave the tokens as they are)
+    g_dense, g_diag = (round(float(x), 3) for x in 20 + 20 * torch.rand(2))
+    app = create_app(gpt, tok, model_name="tiny", config=ServeConfig(max_batch=8, max_images=4, max_queue=64),
+                     cfg_scale=2.0, policy_cfg_scales={"dense": g_dense, "diagonal": g_diag})
+    try:
+        with TestClient(app) as client:
+            assert client.get("/v1/models").json()["models"][0]["policy_cfg_scales"] == {"dense": g_dense,
+                                                                                       "diagonal": g_diag}
+            for body, scale, other in ((dict(class_label=2, n=4, seed=7), g_dense, 2.0),
+                                       (dict(class_label=4, n=4, seed=8, policy="dense", cfg_scale=3.0), 3.0, g_dense),
+                                       (dict(class_label=5, n=4, seed=9, policy="diagonal", policy_args=DIAGONAL_4x4),
+                                        2.0, g_diag)):
+                r = client.post("/v1/generate", json=dict(body, return_tokens=True))
+                assert r.status_code == 200, r.text
+                want = offline_tokens(gpt, {**body, "cfg_scale": scale})
+                assert not torch.equal(want, offline_tokens(gpt, {**body, "cfg_scale": other}))  # (tells them apart)
+                assert torch.equal(torch.tensor(r.json()["tokens"]), want), (body, scale)
+            r = client.post("/v1/generate", json=dict(class_label=1, policy="diagonal", policy_args={"wide": 1}))
+            assert r.status_code == 422 and "unknown parameter" in r.json()["detail"]
+    finally:
+        app.state.pool.close()

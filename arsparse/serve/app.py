@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__, policies
+from ..bundles import policy_guidance
 from ..engine.continuous import supports_continuous
 from ..engine.generator import resolve_device, resolve_dtype, row_keys, sampling_rows
 from ..prompt_mask import pad_captions
@@ -76,11 +77,13 @@ def _validation_detail(errors, example: str, allowed: list[str]) -> tuple[str, l
 
 def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dense", policy_args: dict | None = None,
                config: ServeConfig | None = None, device=None, dtype=None, cfg_scale: float = 4.0,
-               class_names=None) -> FastAPI:
+               policy_cfg_scales: dict[str, float] | None = None, class_names=None) -> FastAPI:
     """An ASGI app serving ``gpt`` + ``tokenizer`` (one copy, shared by every policy's scheduler).
 
     ``policy``/``policy_args``: the server's policy, used when a request names none (created now,
-    so a bad one fails here). ``cfg_scale``: the guidance a request gets unless it asks.
+    so a bad one fails here). ``cfg_scale``: the guidance a request gets unless it asks;
+    ``policy_cfg_scales``: guidance calibrated per policy at its default settings, which a request under
+    that policy gets instead (:func:`~arsparse.bundles.policy_guidance`).
     """
     config = config or ServeConfig()
     sampling_rows(1, cfg_scale=cfg_scale)  # (a NaN or negative default guidance fails here, not in every request)
@@ -94,9 +97,12 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
     c2i = cfg.model_type == "c2i"
     guidance = not c2i or cfg.has_null_class
     if not guidance:
-        cfg_scale = 1.0
+        cfg_scale, policy_cfg_scales = 1.0, None
+    for g in (policy_cfg_scales or {}).values():
+        sampling_rows(1, cfg_scale=g)  # (as the default's)
     height, width = tokenizer.image_size((cfg.grid_h, cfg.grid_w))
-    GenerateRequest = generate_request_model(cfg, config.max_images, config.max_timeout_s, policies.names(), cfg_scale)
+    GenerateRequest = generate_request_model(cfg, config.max_images, config.max_timeout_s, policies.names(), cfg_scale,
+                                             policy_cfg_scales)
     allowed_fields = list(GenerateRequest.model_fields)
     example = '{"class_label": 0, "n": 1, "seed": 0}' if c2i else '{"caption_features": [[...]], "n": 1}'
     metrics = ServeMetrics(pool)
@@ -157,7 +163,7 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
             class_names=list(class_names) if class_names else None,
             caption_shape=None if c2i else [cfg.cls_token_num, cfg.caption_dim], image_tokens=cfg.image_tokens,
             grid=[cfg.grid_h, cfg.grid_w], width=width, height=height, cfg_scale=cfg_scale, guidance=guidance,
-            max_images=min(config.max_images, pool.default.slots), parameters=cfg.num_params())])
+            policy_cfg_scales=policy_cfg_scales or None, max_images=min(config.max_images, pool.default.slots), parameters=cfg.num_params())])
 
     @app.get("/v1/policies", response_model=PoliciesResponse, summary="sparse-attention policies a request may name")
     async def list_policies():
@@ -200,7 +206,14 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
     async def _generate(body, request: Request, t0: float) -> Response:
         n = body.n
         seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-        scale = cfg_scale if body.cfg_scale is None else body.cfg_scale
+        scale = body.cfg_scale
+        if scale is None and policy_cfg_scales:
+            try:
+                key, args = pool.resolve(body.policy, body.policy_args)
+                scale = policy_guidance(policy_cfg_scales, cfg_scale, key[0], args)
+            except ValueError as e:  # PolicyError: unknown parameter, out of range
+                raise ServeError(422, f"policy: {e}") from None
+        scale = cfg_scale if scale is None else scale
         if not guidance and scale != 1.0:
             raise ServeError(422, "cfg_scale: this model has no null class, so guidance is unavailable; use 1")
         prompt_mask = None

@@ -30,6 +30,7 @@ def _app_from_args(args, max_queue: int = 64):
     bundle = BUNDLES.get(name)
     app = create_app(gpt, tok, model_name=name, policy=policy, policy_args=policy_args, config=config,
                      device=args.device, dtype=args.dtype, cfg_scale=cfg_scale if args.cfg_scale is None else args.cfg_scale,
+                     policy_cfg_scales=dict(bundle.policy_cfg_scales) if bundle and args.cfg_scale is None else None,
                      class_names=bundle.class_names if bundle else None)
     return app, name, gpt
 
@@ -89,7 +90,8 @@ def _add_server_args(p) -> None:
     p.add_argument("--policy-arg", action="append", default=[], metavar="KEY=VALUE", help="its parameters, repeatable")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--cfg-scale", type=finite_float, default=None, help="guidance when a request gives none (default: the bundle's)")
+    p.add_argument("--cfg-scale", type=finite_float, default=None, help="guidance when a request gives none (default: the bundle's, "
+                   "for a policy with a calibrated one at its default settings that one: see /v1/models)")
     p.add_argument("--max-batch", type=positive_int, default=32, help="images decoded at once per policy, at most")
     p.add_argument("--kv-memory-gb", type=float, default=None,
                    help="KV cache budget per policy; sets the slot pool (default: free GPU memory on cuda)")

@@ -19,7 +19,7 @@ Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def generate_request_model(cfg: GPTConfig, max_images: int, max_timeout_s: float, policies: list[str],
-                           cfg_scale_default: float) -> type[BaseModel]:
+                           cfg_scale_default: float, policy_cfg_scales: dict[str, float] | None = None) -> type[BaseModel]:
     """The body of ``POST /v1/generate`` for this model and server: ranges from the model's config.
 
     Strict types (no "3" for 3, no true for 1), unknown fields rejected, no NaN or infinity.
@@ -42,7 +42,8 @@ def generate_request_model(cfg: GPTConfig, max_images: int, max_timeout_s: float
             "image i uses the noise key (seed, i), as Generator.sample_tokens(seed=seed); 0 <= seed < 2**53; "
             "random when omitted"))),
         cfg_scale=(Optional[float], Field(None, ge=0.0, le=100.0 if guidance else 1.0, description=(
-            f"classifier-free guidance, 1 = off (default {cfg_scale_default})"
+            f"classifier-free guidance, 1 = off (default {cfg_scale_default}"
+            + "".join(f"; {p} at its default settings: {g:g}" for p, g in (policy_cfg_scales or {}).items()) + ")"
             + ("" if guidance else "; this model has no null class, so only 1")))),
         temperature=(float, Field(1.0, ge=0.0, le=100.0, description="0 = greedy")),
         top_k=(Int, Field(0, ge=0, le=cfg.vocab_size, description="0 = off, 1 = greedy")),
@@ -109,6 +110,8 @@ class ModelInfo(BaseModel):
     height: int
     cfg_scale: float
     guidance: bool
+    policy_cfg_scales: Optional[dict[str, float]] = Field(None, description=(
+        "guidance calibrated for these policies at their default settings, which their requests get by default"))
     max_images: int
     parameters: int
 
