@@ -30,7 +30,7 @@ def cmd_generate(args) -> int:
     policy = get(policy_name, **policy_args)
     if args.cfg_scale is not None:
         cfg_scale = args.cfg_scale
-    elif name in BUNDLES and not args.gpt_ckpt:  # (a policy's own calibrated guidance, where the bundle has one)
+    elif not args.gpt_ckpt:  # (a bundle: the policy's own calibrated guidance, where the bundle has one)
         cfg_scale = BUNDLES[name].guidance(policy_name, policy_args)
     gen = Generator(gpt, tok, device=args.device, dtype=args.dtype, policy=policy, kernel=args.kernel,
                     compile=args.compile, matvec=args.matvec)

@@ -163,7 +163,8 @@ def create_app(gpt, tokenizer, *, model_name: str = "model", policy: str = "dens
             class_names=list(class_names) if class_names else None,
             caption_shape=None if c2i else [cfg.cls_token_num, cfg.caption_dim], image_tokens=cfg.image_tokens,
             grid=[cfg.grid_h, cfg.grid_w], width=width, height=height, cfg_scale=cfg_scale, guidance=guidance,
-            policy_cfg_scales=policy_cfg_scales or None, max_images=min(config.max_images, pool.default.slots), parameters=cfg.num_params())])
+            policy_cfg_scales=policy_cfg_scales or None, max_images=min(config.max_images, pool.default.slots),
+            parameters=cfg.num_params())])
 
     @app.get("/v1/policies", response_model=PoliciesResponse, summary="sparse-attention policies a request may name")
     async def list_policies():
